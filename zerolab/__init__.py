@@ -1,0 +1,19 @@
+"""zerolab: hand-written DDP and ZeRO-1/2/3 that measure every byte they hold and move.
+
+Layers (each imports only from those above it):
+    theory     formulas: bytes per rank per stage, traffic per step, busbw factors
+    comm       every collective, recorded in a per-rank ledger
+    sharding   flat buffers, padding, owned ranges, buckets / blocks
+    ddp, zero1, zero2, zero3   the strategies (forward / backward / step)
+    memory     measured bytes by category, allocator cross-check
+    model, data  the GPT and the text
+    train      torchrun entry point: config -> run -> stage{S}/rank{r}.json
+    launch, cli  zerolab memory | train | compare | labs
+"""
+from .ddp import DDP
+from .zero1 import ZeRO1
+from .zero2 import ZeRO2
+from .zero3 import ZeRO3
+
+__version__ = "0.1.0"
+STRATEGIES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}

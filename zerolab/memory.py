@@ -1,0 +1,84 @@
+"""Measured memory: the bytes each rank really holds, by category, and their peaks within a step.
+
+Idea: a strategy knows which tensors hold which state (`state_tensors()`); the meter sums the
+bytes of their distinct storages at named points of the step (after each bucket's
+reduce-scatter, each block's all-gather and free, ...), keeping the current value, the peak and a
+timeline per category. That is the "measured" column next to `theory.model_state_bytes`. An
+independent figure comes from the allocator: `torch.cuda.max_memory_allocated` on GPU; on CPU
+`torch.distributed._tools.mem_tracker.MemTracker`'s peak, which also sees activations and
+temporaries the meter does not.
+
+Categories (bytes): params, grads, master_weights, exp_avg, exp_avg_sq (the five model states of
+`theory.STATES`), plus gathered_params (ZeRO-3's full blocks while gathered) and grad_buckets
+(ZeRO-2/3's full-gradient buckets while in flight).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .sharding import storage_bytes
+
+TRANSIENT = ("gathered_params", "grad_buckets")
+
+
+class MemoryMeter:
+    """Samples a strategy's tensors by category. `timeline` rows: (tag, seconds, {cat: bytes})."""
+
+    def __init__(self, record_timeline: bool = False):
+        self.current: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.peak_total = 0
+        self.timeline: list[tuple[str, float, dict]] = []
+        self.record_timeline = record_timeline
+        self.t0 = time.perf_counter()
+
+    def sample(self, strategy, tag: str = ""):
+        """Measure `strategy.state_tensors()` now; update current, peaks and the timeline."""
+        self.current = {cat: storage_bytes(ts) for cat, ts in strategy.state_tensors().items()}
+        for cat, b in self.current.items():
+            self.peak[cat] = max(self.peak.get(cat, 0), b)
+        self.peak_total = max(self.peak_total, sum(self.current.values()))
+        if self.record_timeline:
+            self.timeline.append((tag, time.perf_counter() - self.t0, dict(self.current)))
+
+    def reset_peaks(self):
+        """Start a new window for peaks (and the timeline)."""
+        self.peak, self.peak_total, self.timeline = dict(self.current), sum(self.current.values()), []
+        self.t0 = time.perf_counter()
+
+    def to_json(self) -> dict:
+        return {"current": self.current, "peak": self.peak, "peak_total": self.peak_total,
+                "timeline": [{"tag": t, "t": s, **c} for t, s, c in self.timeline]}
+
+
+def allocator_peak(run_step, device: torch.device) -> dict:
+    """Run `run_step()` once and return the allocator's view of it, independent of the meter.
+
+    CUDA: {"source": "torch.cuda", "peak_allocated": max_memory_allocated - baseline,
+    "allocated_before", "peak_absolute", "reserved"} in bytes. CPU: MemTracker's peak over the step
+    {"source": "MemTracker", "peak_absolute", "by_type": {type: bytes}}; MemTracker counts every live
+    CPU tensor it can see (parameters, gradients, optimizer states, activations, temporaries).
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        return {"source": "torch.cuda", "allocated_before": before, "peak_absolute": peak,
+                "peak_allocated": peak - before, "reserved": torch.cuda.memory_reserved(device)}
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    with tracker:
+        run_step()
+    snap = tracker.get_tracker_snapshot("peak")
+    by_type: dict[str, int] = {}
+    for dev, stats in snap.items():
+        if str(dev) == "cpu" or getattr(dev, "type", "") == "cpu":
+            for k, v in stats.items():
+                by_type[str(k).split(".")[-1]] = int(v)
+    total = by_type.pop("Total", by_type.pop("total", sum(by_type.values())))
+    return {"source": "MemTracker", "peak_absolute": total, "by_type": by_type}

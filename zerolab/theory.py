@@ -1,0 +1,173 @@
+"""The formulas: model-state bytes per rank per ZeRO stage, traffic per step, busbw factors.
+
+Idea: with AdamW and bf16 mixed precision every parameter costs 2 + 2 + 4 + 4 + 4 = 16 bytes
+(bf16 weight, bf16 gradient, fp32 master weight, fp32 exp_avg m_t, fp32 exp_avg_sq v_t). ZeRO
+stage s shards some of these five states over the N data-parallel ranks; `SHARDED_FROM_STAGE`
+below is the single table that says which, and everything else in zerolab (strategies, labs,
+README) reads it.
+
+    python -m zerolab memory --params 7.5e9 --world-size 64
+
+Sources: the notes' "参数组成" table and per-stage formulas (16Ψ, 5.5Ψ, 3.75Ψ, 2Ψ at N = 8; the
+notes write N for the parameter count, we write Ψ as the ZeRO paper does), the ZeRO paper
+(Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N = 64, K = 12 gives 120 / 31.4 / 16.6 / 1.9 GB),
+and nccl-tests' PERFORMANCE.md for the ring-algorithm byte counts and busbw factors.
+"""
+from __future__ import annotations
+
+import math
+
+STAGES = (0, 1, 2, 3)
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+# The five model states, in the notes' order, with their bytes per parameter in bf16 mixed precision.
+STATES = ("params", "grads", "master_weights", "exp_avg", "exp_avg_sq")
+BYTES_PER_PARAM = {"params": 2, "grads": 2, "master_weights": 4, "exp_avg": 4, "exp_avg_sq": 4}
+
+# From which stage on each state is sharded 1/N (llm.c's "zero_stage" idea, as one table).
+SHARDED_FROM_STAGE = {"params": 3, "grads": 2, "master_weights": 1, "exp_avg": 1, "exp_avg_sq": 1}
+
+# Per-rank bytes moved by the ring algorithm, as a fraction of the full array S (nccl-tests).
+# The same factor turns algbw (S / t) into busbw.
+RING_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+ZERO1_GRAD_OPS = ("all_reduce", "reduce_scatter")
+
+
+def check_stage(stage) -> int:
+    """Return `stage` as an int; raise ValueError naming it unless it is 0, 1, 2 or 3."""
+    if stage not in STAGES or isinstance(stage, bool):
+        raise ValueError(f"stage {stage!r} is not one of 0, 1, 2, 3 (0 = DDP, 1-3 = ZeRO stages)")
+    return int(stage)
+
+
+def check_world_size(world_size) -> int:
+    """Return `world_size` as an int; raise ValueError unless it is an integer >= 1."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size {world_size!r} must be an integer >= 1")
+    return world_size
+
+
+def is_sharded(state: str, stage: int) -> bool:
+    """True when `state` (one of STATES) is held 1/N per rank at `stage`."""
+    return check_stage(stage) >= SHARDED_FROM_STAGE[state]
+
+
+def bytes_per_param(precision: str = "bf16") -> dict[str, int]:
+    """Bytes per parameter of each state: 2+2+4+4+4 for "bf16", 4+4+4+4+4 for "fp32".
+
+    In "fp32" mode zerolab still keeps a separate fp32 master copy, so that every stage runs the
+    same code path as in bf16 (the exact-equivalence tests use this mode).
+    Raises ValueError for any other precision.
+    """
+    if precision == "bf16":
+        return dict(BYTES_PER_PARAM)
+    if precision == "fp32":
+        return {state: 4 for state in STATES}
+    raise ValueError(f"precision {precision!r} is not one of 'bf16', 'fp32'")
+
+
+def model_state_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
+                      optimizer_bytes: float | None = None) -> dict[str, float]:
+    """Per-rank bytes of each model state (activations and buffers excluded).
+
+    psi: trainable parameter count Ψ. world_size: data-parallel ranks N. stage: 0 (DDP) to 3.
+    optimizer_bytes: K, bytes of optimizer state per parameter (default 12: fp32 master + m_t +
+    v_t), split as master 4 and the rest evenly over exp_avg / exp_avg_sq.
+    Returns {state: bytes} for STATES; sharded states are psi/N * bytes (a float when N does not
+    divide Ψ; zerolab pads each bucket, so measured bytes equal this formula at the padded Ψ).
+    Raises ValueError for a bad stage, world size or precision.
+    """
+    check_stage(stage)
+    check_world_size(world_size)
+    per_param = bytes_per_param(precision)
+    if optimizer_bytes is not None:
+        per_param["master_weights"] = min(4.0, optimizer_bytes)
+        rest = max(0.0, optimizer_bytes - per_param["master_weights"]) / 2
+        per_param["exp_avg"] = per_param["exp_avg_sq"] = rest
+    return {state: psi * per_param[state] / (world_size if is_sharded(state, stage) else 1)
+            for state in STATES}
+
+
+def model_state_total(psi: float, world_size: int, stage: int, precision: str = "bf16",
+                      optimizer_bytes: float | None = None) -> float:
+    """Sum of `model_state_bytes`: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N in bf16 (bytes per rank)."""
+    return sum(model_state_bytes(psi, world_size, stage, precision, optimizer_bytes).values())
+
+
+def traffic_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
+                  zero1_grad_op: str = "all_reduce", grad_accum: int = 1) -> dict[str, float]:
+    """Per-rank bytes sent per optimizer step by the ring algorithm, by collective.
+
+    DDP: all_reduce of the gradients, 2(n-1)/n · 2Ψ in bf16 (once per step: micro-steps before the
+    last skip the sync). ZeRO-1: the same all_reduce plus an all_gather of the updated params,
+    3(n-1)/n · 2Ψ (the notes' path), or reduce_scatter + all_gather = 2(n-1)/n · 2Ψ. ZeRO-2:
+    reduce_scatter every micro-step + one all_gather. ZeRO-3: per micro-step two all_gathers
+    (forward and backward) and one reduce_scatter, 3(n-1)/n · 2Ψ; no all_gather after the step.
+    Returns {"all_reduce": B, "reduce_scatter": B, "all_gather": B} in bytes.
+    Source: ZeRO paper section 7; nccl-tests PERFORMANCE.md.
+    """
+    check_stage(stage)
+    n = check_world_size(world_size)
+    if zero1_grad_op not in ZERO1_GRAD_OPS:
+        raise ValueError(f"zero1_grad_op {zero1_grad_op!r} is not one of {ZERO1_GRAD_OPS}")
+    per_param = bytes_per_param(precision)
+    grads, params = psi * per_param["grads"], psi * per_param["params"]
+    ar, rs, ag = (RING_FACTOR[op](n) for op in ("all_reduce", "reduce_scatter", "all_gather"))
+    out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    if stage == 0 or (stage == 1 and zero1_grad_op == "all_reduce"):
+        out["all_reduce"] = ar * grads
+    elif stage in (1, 2):
+        out["reduce_scatter"] = rs * grads * (grad_accum if stage == 2 else 1)
+    if stage in (1, 2):
+        out["all_gather"] = ag * params
+    if stage == 3:
+        out["reduce_scatter"] = rs * grads * grad_accum
+        out["all_gather"] = 2 * ag * params * grad_accum
+    return out
+
+
+def busbw(op: str, size_bytes: float, seconds: float, group_size: int) -> float:
+    """Bus bandwidth in bytes/s: algbw = S / t times the op's ring factor (nccl-tests).
+
+    size_bytes S is the full (unsharded) array, group_size n the ranks in the collective's group.
+    Raises ValueError for an unknown op.
+    """
+    if op not in RING_FACTOR:
+        raise ValueError(f"op {op!r} is not one of {sorted(RING_FACTOR)}")
+    if seconds <= 0:
+        return float("nan")
+    return size_bytes / seconds * RING_FACTOR[op](group_size)
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """numel rounded up to a multiple of world_size, so that every rank's shard has equal size."""
+    return math.ceil(numel / world_size) * world_size
+
+
+def memory_table(psi: float, world_size: int, precision: str = "bf16",
+                 optimizer_bytes: float | None = None) -> list[dict]:
+    """One row per stage: name, each state's per-rank bytes, total, and total/Ψ (the '16N' column)."""
+    rows = []
+    for stage in STAGES:
+        states = model_state_bytes(psi, world_size, stage, precision, optimizer_bytes)
+        total = sum(states.values())
+        rows.append({"stage": stage, "name": STAGE_NAMES[stage], **states, "total": total,
+                     "bytes_per_param": total / psi if psi else float("nan")})
+    return rows
+
+
+def format_memory_table(psi: float, world_size: int, precision: str = "bf16",
+                        optimizer_bytes: float | None = None, unit: float = 1e9) -> str:
+    """The memory table as text (GB = 1e9 bytes, as in the ZeRO paper)."""
+    head = f"{'stage':<8}" + "".join(f"{s:>16}" for s in (*STATES, "total")) + f"{'bytes/param':>13}"
+    lines = [f"Ψ = {psi:.4g} parameters, N = {world_size} ranks, {precision}; per-rank model states in "
+             f"{'GB' if unit == 1e9 else f'units of {unit:g} bytes'}", head]
+    for row in memory_table(psi, world_size, precision, optimizer_bytes):
+        lines.append(f"{row['name']:<8}" + "".join(f"{row[s] / unit:>16.4g}" for s in (*STATES, "total"))
+                     + f"{row['bytes_per_param']:>12.4g}Ψ")
+    return "\n".join(lines)

@@ -1,0 +1,239 @@
+"""torchrun entry point: train the GPT with one or more stages and write OUT/stage{S}/rank{r}.json.
+
+Idea: every rank builds the same model from the same seed, wraps it in the stage's strategy,
+trains `--steps` optimizer steps on its own rows of each global batch, and writes what it held
+(memory, measured and theory) and what it moved (the comm ledger) to its own JSON file. Several
+stages can run one after another in one launch (`--stages 0,1,2,3`), which is what
+`zerolab compare` does: same seed, same data, one process start-up.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 -m zerolab.train \\
+        --stages 0,1,2,3 --preset tiny --steps 5 --out runs/compare
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import STRATEGIES, theory
+from .comm import Comm
+from .data import get_batch, load_tokens, rank_slice
+from .memory import MemoryMeter, allocator_peak
+from .model import GPT, PRESETS, get_config, num_params
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_stages(text: str) -> list[int]:
+    """"0,1,2,3" -> [0, 1, 2, 3]; ValueError names a bad stage."""
+    try:
+        stages = [int(s) for s in str(text).split(",") if s.strip() != ""]
+    except ValueError:
+        raise ValueError(f"stages {text!r} must be a comma-separated list of 0, 1, 2, 3") from None
+    if not stages:
+        raise ValueError(f"stages {text!r} is empty: give one or more of 0, 1, 2, 3")
+    return [theory.check_stage(s) for s in stages]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zerolab.train", description=__doc__.split("\n")[0])
+    p.add_argument("--stages", "--stage", default="0", help="stage or comma list, e.g. 0,1,2,3")
+    p.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
+    p.add_argument("--block-size", type=int, default=None, help="override the preset's context")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (rows), all ranks")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--precision", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0: no clipping")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="text file (default: Python stdlib sources)")
+    p.add_argument("--out", default="runs/train")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--timeline", action="store_true", help="record memory over the last step")
+    p.add_argument("--no-allocator", action="store_true",
+                   help="skip the allocator / MemTracker cross-check on the last step")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait")
+    return p
+
+
+def check_args(args, world_size: int):
+    """Raise ValueError (one line) for values no run could use."""
+    args.stage_list = parse_stages(args.stages)
+    get_config(args.preset)
+    for name in ("steps", "batch_size", "grad_accum"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.batch_size % (world_size * args.grad_accum):
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
+                         f"{world_size} x --grad-accum {args.grad_accum}")
+
+
+def make_strategy(stage, model, comm, args, meter):
+    kwargs = dict(max_grad_norm=args.max_grad_norm, meter=meter, lr=args.lr,
+                  weight_decay=args.weight_decay)
+    if stage == 1:
+        kwargs["grad_op"] = args.zero1_grad_op
+    return STRATEGIES[stage](model, comm, **kwargs)
+
+
+def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
+    """Train one stage on this rank; return the JSON-ready result."""
+    rank, n, A = comm.rank, comm.world_size, args.grad_accum
+    overrides = {"block_size": args.block_size} if args.block_size else {}
+    cfg = get_config(args.preset, **overrides)
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(device=device, dtype=DTYPES[args.precision])
+    psi = num_params(model)
+    meter = MemoryMeter()
+    comm.records.clear()
+    strategy = make_strategy(stage, model, comm, args, meter)
+    psi_padded = sum(u.padded_numel for u in strategy.units)
+
+    def one_step(step):
+        x, y = get_batch(train_tokens, step, args.batch_size, cfg.block_size, args.seed)
+        total = torch.zeros((), dtype=torch.float32)
+        for micro in range(A):
+            xm, ym = (rank_slice(t, rank, n, micro, A).to(device) for t in (x, y))
+            loss = strategy.forward(xm, ym)
+            strategy.backward(loss / A, sync=micro == A - 1)
+            total += loss.detach().float().cpu() / A
+        norm = strategy.step()
+        return total, norm
+
+    losses, norms, times, allocator = [], [], [], None
+    for step in range(args.steps):
+        comm.step = step
+        last = step == args.steps - 1
+        meter.record_timeline = last and args.timeline
+        meter.reset_peaks()
+        meter.sample(strategy, "step start")
+        t0 = time.perf_counter()
+        if last and not args.no_allocator:
+            result = {}
+            allocator = allocator_peak(lambda: result.update(out=one_step(step)), device)
+            local, norm = result["out"]
+        else:
+            local, norm = one_step(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        mean = local.to(device)
+        comm.all_reduce(mean, what="metric", unit="loss")
+        losses.append(mean.item() / n)
+        norms.append(float(norm))
+        if rank == 0:
+            print(f"[stage {stage}] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
+                  f"grad_norm {norms[-1]:.4f}  {times[-1] * 1e3:.0f} ms", flush=True)
+
+    # --- held-out loss (outside the measured steps) -------------------------------------------
+    comm.step = -1
+    with torch.no_grad():
+        x, y = get_batch(val_tokens, 0, args.batch_size, cfg.block_size, args.seed + 1)
+        xm, ym = (rank_slice(t, rank, n).to(device) for t in (x, y))
+        val = strategy.forward(xm, ym).detach().float().reshape(())
+        with comm.phase("eval"):
+            comm.all_reduce(val, what="metric", unit="val_loss")
+    last = args.steps - 1
+    measured_state = {s: meter.current.get(s, 0) for s in theory.STATES}
+    return {
+        "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank, "world_size": n,
+        "backend": dist.get_backend(), "device": str(device), "precision": args.precision,
+        "preset": args.preset, "model_config": cfg.__dict__, "num_params": psi,
+        "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
+        "grad_accum": A, "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
+        "seed": args.seed, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
+        "step_times_s": times,
+        "units": [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
+                   "shard_numel": u.shard_numel, "padding_in_shard": u.padding_in_shard()}
+                  for u in strategy.units],
+        "memory": {"model_states": measured_state, "model_states_total": sum(measured_state.values()),
+                   **meter.to_json(), "allocator": allocator},
+        "theory": {
+            "model_states": theory.model_state_bytes(psi, n, stage, args.precision),
+            "model_states_padded": theory.model_state_bytes(psi_padded, n, stage, args.precision),
+            "traffic_per_step": theory.traffic_bytes(psi, n, stage, args.precision,
+                                                     args.zero1_grad_op, A),
+            "traffic_per_step_padded": theory.traffic_bytes(psi_padded, n, stage, args.precision,
+                                                            args.zero1_grad_op, A),
+        },
+        "comm": {"bytes_per_step": comm.bytes_by_op(step=last),
+                 "records": comm.to_json()},
+    }
+
+
+def summary_table(results: list[dict]) -> str:
+    """Rank 0's table: loss, measured vs theory model-state bytes and traffic per step."""
+    lines = [f"{'stage':<8}{'final loss':>11}{'states (B)':>12}{'theory (B)':>12}"
+             f"{'traffic (B)':>13}{'theory (B)':>12}{'step ms':>9}"]
+    for r in results:
+        traffic = sum(r["comm"]["bytes_per_step"].values())
+        lines.append(f"{r['name']:<8}{r['losses'][-1]:>11.4f}{r['memory']['model_states_total']:>12,.0f}"
+                     f"{sum(r['theory']['model_states_padded'].values()):>12,.0f}{traffic:>13,.0f}"
+                     f"{sum(r['theory']['traffic_per_step_padded'].values()):>12,.0f}"
+                     f"{1e3 * sum(r['step_times_s'][1:] or r['step_times_s']) / max(1, len(r['step_times_s'][1:]) or 1):>9.0f}")
+    return "\n".join(lines)
+
+
+def setup(args):
+    """Initialise the process group from torchrun's environment; return (comm, device)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda but torch sees no CUDA device (use --device cpu)")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if args.backend == "nccl" and device.type != "cuda":
+        raise ValueError("--backend nccl needs --device cuda (use gloo on CPU)")
+    kwargs = {"device_id": device} if args.backend == "nccl" else {}
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout), **kwargs)
+    return Comm(), device
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if "RANK" not in os.environ:     # plain `python -m zerolab.train`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+    world_size = int(os.environ["WORLD_SIZE"])
+    try:
+        check_args(args, world_size)
+        overrides = {"block_size": args.block_size} if args.block_size else {}
+        train_tokens, val_tokens = load_tokens(args.data, get_config(args.preset, **overrides).block_size)
+    except ValueError as err:
+        if int(os.environ["RANK"]) == 0:
+            print(f"zerolab.train: error: {err}", file=sys.stderr)
+        return 2
+    comm, device = setup(args)
+    try:
+        results = []
+        for stage in args.stage_list:
+            result = run_stage(stage, args, comm, device, train_tokens, val_tokens)
+            out = Path(args.out) / f"stage{stage}"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank{comm.rank}.json").write_text(json.dumps(result, indent=1))
+            results.append(result)
+            dist.barrier()
+        if comm.rank == 0:
+            print(summary_table(results), flush=True)
+            print(f"wrote {Path(args.out).resolve()}/stage*/rank*.json", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+    sys.exit(record(main)())

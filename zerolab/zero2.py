@@ -1,0 +1,121 @@
+"""ZeRO stage 2: gradients are sharded too, reduce-scattered layer by layer during backward.
+
+Idea (the notes' "ZeRO-2 ... layer-by-layer 的 reduce-scatter"): forward is DDP's, with full bf16
+weights. In backward, just before a block's backward runs, a bucket for its full local gradient
+is allocated; as soon as the block's gradients are in it, the bucket is reduce-scattered and
+freed, so each rank keeps only the averaged gradient of its own range, and at most a couple of
+buckets of full gradient are ever alive at once. The update is ZeRO-1's: own range, then
+all_gather. Per rank: 2Ψ + (2Ψ + 12Ψ)/N bytes (3.75Ψ at N = 8); traffic 2(n-1)/n·2Ψ a step.
+
+    torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 2 --preset tiny --steps 3
+
+Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py: __init__ (who holds what) / forward /
+backward (+ its hooks) / step / state_tensors / full_parameters.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sharding import (build_units, clip_grad_norm_, make_optimizer, on_grads_ready,
+                       on_pre_backward, optimizer_states)
+
+
+class ZeRO2:
+    stage = 2
+
+    def __init__(self, model, comm, *, max_grad_norm=0.0, meter=None, **adamw):
+        self.model, self.comm, self.meter = model, comm, meter
+        self.max_grad_norm, self.n = max_grad_norm, comm.world_size
+        self.units = build_units(model, comm.world_size, comm.rank)
+        for u in self.units:
+            # --- params: full bf16 copy on every rank ---------------------------------------
+            u.param_flat = u.flatten()                          # [Ψ_u] bf16, replicated
+            u.bind_params(u.param_flat)
+            # --- grads: only this rank's range, averaged; full grads live in a bucket -------
+            u.grad_shard = torch.zeros(u.shard_numel, dtype=u.param_flat.dtype,
+                                       device=u.param_flat.device)   # [Ψ_u/N] bf16
+            # --- optimizer state: this rank's range only -----------------------------------
+            u.master = u.own(u.param_flat).float().clone()      # [Ψ_u/N] fp32 master shard
+            if u.module is not None:
+                on_pre_backward(u.module, lambda u=u: self._open_bucket(u))
+        self.optimizer = make_optimizer([u.master for u in self.units], **adamw)
+        self.inflight = []
+        on_grads_ready(self.units, self._grads_ready)
+
+    # --- forward: local, no communication ----------------------------------------------------
+    def forward(self, x, y):
+        with self.comm.phase("forward"):
+            return self.model(x, y)
+
+    # --- backward: reduce_scatter each bucket as soon as its grads are ready, then free it ---
+    def backward(self, loss, *, sync=True):
+        """Every micro-step is reduce-scattered (sync is accepted for a common signature)."""
+        for u in self.units:
+            u.ready = 0
+            if u.module is None:            # the root unit has no output to hook: open now
+                self._open_bucket(u)
+        with self.comm.phase("backward"):
+            loss.backward()
+            for u in self.units:            # a unit whose params got no gradient still syncs
+                if u.bucket is not None and u.ready < len(u.params):
+                    self._grads_ready(u)
+            while self.inflight:
+                self.inflight.pop(0).wait()
+        self._sample("backward done")
+
+    def _open_bucket(self, u):
+        u.bucket = torch.zeros_like(u.param_flat)              # [Ψ_u] bf16, transient
+        u.bind_grads(u.bucket)
+        self._sample(f"bucket {u.name}")
+
+    def _grads_ready(self, u):
+        while len(self.inflight) > 1:       # keep at most two buckets in flight
+            self.inflight.pop(0).wait()
+        out = torch.empty_like(u.grad_shard)                   # [Ψ_u/N] bf16
+        handle = self.comm.reduce_scatter(out, u.bucket, what="grads", unit=u.name,
+                                          async_op=True)
+
+        def done(u=u, out=out):
+            u.grad_shard.add_(out.div_(self.n))                # accumulate the averaged shard
+            u.bucket = None                                    # free the full-gradient bucket
+            for p in u.params:
+                p.grad = None
+        handle.on_done = done
+        self.inflight.append(handle)
+        self._sample(f"reduce_scatter {u.name}")
+
+    # --- step: update the owned range, then all_gather every rank's range ---------------------
+    def step(self) -> torch.Tensor:
+        with self.comm.phase("step"):
+            for u in self.units:
+                u.master.grad = u.grad_shard.float()                # [Ψ_u/N] fp32
+            norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm, self.comm)
+            self.optimizer.step()
+            handles = []
+            for u in self.units:
+                u.own(u.param_flat).copy_(u.master)                 # fp32 -> bf16, own range
+                handles.append(self.comm.all_gather(u.param_flat, u.own(u.param_flat),
+                                                    what="params", unit=u.name, async_op=True))
+                u.master.grad = None
+                u.grad_shard.zero_()
+            for handle in handles:
+                handle.wait()
+        self._sample("step done")
+        return norm
+
+    # --- what this rank holds ----------------------------------------------------------------
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        masters = [u.master for u in self.units]
+        return {"params": [u.param_flat for u in self.units],
+                "grads": [u.grad_shard for u in self.units],
+                "grad_buckets": [u.bucket for u in self.units] + [p.grad for u in self.units
+                                                                  for p in u.params],
+                **optimizer_states(self.optimizer, masters)}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """{name: fp32 copy} of every parameter, as a single-process model would have it."""
+        return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+
+    def _sample(self, tag):
+        if self.meter is not None:
+            self.meter.sample(self, tag)

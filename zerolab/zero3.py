@@ -1,0 +1,143 @@
+"""ZeRO stage 3: the bf16 parameters are sharded too, gathered one block at a time.
+
+Idea (the notes' "ZeRO Stage 3"): a rank keeps only its own range of every state. Just before a
+block's forward, its parameters are all-gathered into a full buffer; right after, the buffer is
+freed. Just before the block's backward they are gathered again; when its gradients are ready
+they are reduce-scattered (as in ZeRO-2) and the full parameters are freed. Each rank updates its
+own range; no all_gather follows the step, because nobody keeps full weights. Per rank:
+(2 + 2 + 12)Ψ/N = 16Ψ/N bytes (2Ψ at N = 8) at the price of 3(n-1)/n·2Ψ bytes a step.
+
+    torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 3 --preset tiny --steps 3
+
+Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py: __init__ (who holds what) / forward /
+backward (+ its hooks) / step / state_tensors / full_parameters.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sharding import (alloc_storage, build_units, clip_grad_norm_, free_storage, make_optimizer,
+                       on_grads_ready, on_pre_backward, optimizer_states)
+
+
+class ZeRO3:
+    stage = 3
+
+    def __init__(self, model, comm, *, max_grad_norm=0.0, meter=None, **adamw):
+        self.model, self.comm, self.meter = model, comm, meter
+        self.max_grad_norm, self.n = max_grad_norm, comm.world_size
+        self.units = build_units(model, comm.world_size, comm.rank)
+        for u in self.units:
+            # --- params: this rank's range; the full buffer exists only while gathered -----
+            u.param_flat = u.flatten()                          # [Ψ_u] bf16, transient
+            u.param_shard = u.own(u.param_flat).clone()         # [Ψ_u/N] bf16, resident
+            u.bind_params(u.param_flat)
+            free_storage(u.param_flat)
+            # --- grads: only this rank's range, averaged; full grads live in a bucket -------
+            u.grad_shard = torch.zeros_like(u.param_shard)      # [Ψ_u/N] bf16
+            # --- optimizer state: this rank's range only -----------------------------------
+            u.master = u.param_shard.float().clone()            # [Ψ_u/N] fp32 master shard
+            if u.module is not None:
+                u.module.register_forward_pre_hook(lambda *_, u=u: self._gather(u))
+                u.module.register_forward_hook(lambda *_, u=u: self._free(u))
+                on_pre_backward(u.module, lambda u=u: (self._gather(u), self._open_bucket(u)))
+        self.optimizer = make_optimizer([u.master for u in self.units], **adamw)
+        self.inflight = []
+        self.root = [u for u in self.units if u.module is None]
+        on_grads_ready(self.units, self._grads_ready)
+
+    def _gather(self, u):
+        alloc_storage(u.param_flat)
+        self.comm.all_gather(u.param_flat, u.param_shard, what="params", unit=u.name)
+        self._sample(f"all_gather {u.name}")
+
+    def _free(self, u):
+        free_storage(u.param_flat)
+        self._sample(f"free {u.name}")
+
+    # --- forward: gather each block just before it runs, free it right after -----------------
+    def forward(self, x, y):
+        with self.comm.phase("forward"):
+            for u in self.root:             # root params (tied embedding/head) span the pass
+                self._gather(u)
+            loss = self.model(x, y)
+            for u in self.root:
+                self._free(u)
+            return loss
+
+    # --- backward: gather again, reduce_scatter each bucket, free params and bucket ----------
+    def backward(self, loss, *, sync=True):
+        """Every micro-step is reduce-scattered (sync is accepted for a common signature)."""
+        for u in self.units:
+            u.ready = 0
+        with self.comm.phase("backward"):
+            for u in self.root:
+                self._gather(u)
+                self._open_bucket(u)
+            loss.backward()
+            for u in self.units:            # a unit whose params got no gradient still syncs
+                if u.bucket is not None and u.ready < len(u.params):
+                    self._grads_ready(u)
+            while self.inflight:
+                self.inflight.pop(0).wait()
+        self._sample("backward done")
+
+    def _open_bucket(self, u):
+        u.bucket = torch.zeros_like(u.param_flat)              # [Ψ_u] bf16, transient
+        u.bind_grads(u.bucket)
+        self._sample(f"bucket {u.name}")
+
+    def _grads_ready(self, u):
+        self._free(u)                       # this block's backward is done with its weights
+        while len(self.inflight) > 1:       # keep at most two buckets in flight
+            self.inflight.pop(0).wait()
+        out = torch.empty_like(u.grad_shard)                   # [Ψ_u/N] bf16
+        handle = self.comm.reduce_scatter(out, u.bucket, what="grads", unit=u.name,
+                                          async_op=True)
+
+        def done(u=u, out=out):
+            u.grad_shard.add_(out.div_(self.n))                # accumulate the averaged shard
+            u.bucket = None                                    # free the full-gradient bucket
+            for p in u.params:
+                p.grad = None
+        handle.on_done = done
+        self.inflight.append(handle)
+        self._sample(f"reduce_scatter {u.name}")
+
+    # --- step: update the owned range; nothing to gather, nobody keeps full weights -----------
+    def step(self) -> torch.Tensor:
+        with self.comm.phase("step"):
+            for u in self.units:
+                u.master.grad = u.grad_shard.float()                # [Ψ_u/N] fp32
+            norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm, self.comm)
+            self.optimizer.step()
+            for u in self.units:
+                u.param_shard.copy_(u.master)                       # fp32 -> bf16, own range
+                u.master.grad = None
+                u.grad_shard.zero_()
+        self._sample("step done")
+        return norm
+
+    # --- what this rank holds ----------------------------------------------------------------
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        masters = [u.master for u in self.units]
+        return {"params": [u.param_shard for u in self.units],
+                "grads": [u.grad_shard for u in self.units],
+                "gathered_params": [u.param_flat for u in self.units],
+                "grad_buckets": [u.bucket for u in self.units] + [p.grad for u in self.units
+                                                                  for p in u.params],
+                **optimizer_states(self.optimizer, masters)}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """{name: fp32 copy} of every parameter, gathered (ledger phase "eval")."""
+        with self.comm.phase("eval"):
+            for u in self.units:
+                self._gather(u)
+            out = {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+            for u in self.units:
+                self._free(u)
+        return out
+
+    def _sample(self, tag):
+        if self.meter is not None:
+            self.meter.sample(self, tag)
