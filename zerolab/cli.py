@@ -1,0 +1,179 @@
+"""The `zerolab` command: memory | train | compare | labs.
+
+    zerolab memory --params 7.5e9 --world-size 64     # the ZeRO paper's table, from the formulas
+    zerolab train --stage 2 --nproc 4                  # one stage under torchrun
+    zerolab compare                                    # stages 0-3 on this machine: the main job
+    zerolab labs                                       # execute every lab notebook, write a report
+
+Every subcommand checks its arguments before any process starts and exits 2 with one line
+naming the bad value; a failed launch exits 1 with the failing rank's traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import theory
+from .launch import LaunchError, resolve, run_torchrun
+
+TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
+               "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout")
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_default):
+    p.add_argument("--stage", "--stages", dest="stages", default=stages_default,
+                   help="stage 0-3, or a comma list such as 0,1,2,3")
+    p.add_argument("--nproc", type=int, default=nproc_default, help="ranks on this node")
+    p.add_argument("--backend", default="auto", help="auto (NCCL if enough GPUs, else gloo), gloo, nccl")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda (gloo on cuda shares GPUs)")
+    p.add_argument("--preset", default=preset_default)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=steps_default)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch in rows")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
+    p.add_argument("--timeline", action="store_true", help="record memory over the last step")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before the run is killed")
+    p.add_argument("--nnodes", type=int, default=1, help="torchrun: number of nodes")
+    p.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank")
+    p.add_argument("--rdzv-endpoint", default=None, help="torchrun: HOST:PORT of the first node")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerolab", description="Hand-written DDP and ZeRO-1/2/3, measured.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mem = sub.add_parser("memory", help="per-rank model-state bytes and traffic from the formulas")
+    mem.add_argument("--params", type=_positive_float, default=7.5e9, help="Ψ, e.g. 7.5e9")
+    mem.add_argument("--world-size", type=int, default=64)
+    mem.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    mem.add_argument("--optimizer-bytes", type=float, default=None, help="K (default 12)")
+
+    train = sub.add_parser("train", help="train one or more stages under torchrun")
+    _add_launch_args(train, "0", 2, "tiny", 5)
+    train.add_argument("--out", default="runs/train")
+
+    cmp = sub.add_parser("compare", help="stages 0-3, same seed and data: table + JSON + PNG")
+    _add_launch_args(cmp, "0,1,2,3", 4, "tiny", 5)
+    cmp.add_argument("--out", default="runs/compare")
+
+    labs = sub.add_parser("labs", help="execute every lab notebook with papermill, write a report")
+    labs.add_argument("--out", default="runs/labs")
+    labs.add_argument("--only", default=None, help="comma list of lab name fragments")
+    labs.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
+                      help="papermill parameter override for every lab (repeatable)")
+    labs.add_argument("--timeout", type=float, default=900, help="seconds per lab")
+    return parser
+
+
+def cmd_memory(args) -> int:
+    theory.check_world_size(args.world_size)
+    print(theory.format_memory_table(args.params, args.world_size, args.precision, args.optimizer_bytes))
+    print(f"\nbytes sent per rank per step (ring algorithm, {args.precision} grads/params), GB")
+    for stage in theory.STAGES:
+        variants = ("all_reduce", "reduce_scatter") if stage == 1 else ("all_reduce",)
+        for op in variants:
+            t = theory.traffic_bytes(args.params, args.world_size, stage, args.precision, op)
+            label = theory.STAGE_NAMES[stage] + (f" ({op})" if stage == 1 else "")
+            parts = ", ".join(f"{k} {v / 1e9:.4g}" for k, v in t.items() if v)
+            print(f"  {label:<26} {sum(t.values()) / 1e9:>9.4g}   = {parts or 'none'}")
+    return 0
+
+
+def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[str]:
+    argv = ["--stages", stages, "--out", out, "--backend", backend, "--device", device]
+    for name in TRAIN_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    if args.timeline:
+        argv.append("--timeline")
+    return argv
+
+
+def check_launch(args) -> tuple[str, str]:
+    """Validate everything a launch needs, before any process starts; return (backend, device)."""
+    from .data import load_tokens
+    from .model import get_config
+    from .train import parse_stages
+    parse_stages(args.stages)
+    overrides = {"block_size": args.block_size} if args.block_size else {}
+    cfg = get_config(args.preset, **overrides)
+    backend, device = resolve(args.nproc, args.backend, args.device, args.nnodes)
+    world_size = args.nproc * args.nnodes
+    for name in ("steps", "batch_size", "grad_accum"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.batch_size % (world_size * args.grad_accum):
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
+                         f"{world_size} x --grad-accum {args.grad_accum}")
+    load_tokens(args.data, cfg.block_size)
+    return backend, device
+
+
+def launch(args, stages: str) -> None:
+    backend, device = check_launch(args)
+    print(f"zerolab: {args.nproc * args.nnodes} rank(s), {backend} on {device}, stages {stages}, "
+          f"preset {args.preset}", flush=True)
+    run_torchrun(_train_argv(args, stages, args.out, backend, device), args.nproc,
+                 timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank,
+                 rdzv_endpoint=args.rdzv_endpoint)
+
+
+def cmd_train(args) -> int:
+    launch(args, args.stages)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .report import compare_rows, format_rows, load_run, plot_compare
+    launch(args, args.stages)
+    runs = load_run(args.out)
+    rows = compare_rows(runs)
+    print("\nper rank, after the last step (bytes):")
+    print(format_rows(rows))
+    out = Path(args.out)
+    (out / "compare.json").write_text(json.dumps(rows, indent=1))
+    png = plot_compare(runs, out / "compare.png")
+    print(f"\nwrote {out / 'compare.json'} and {png}")
+    return 0
+
+
+def cmd_labs(args) -> int:
+    from .labs import run_labs
+    return run_labs(args)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare,
+                "labs": cmd_labs}[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except LaunchError as err:
+        print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

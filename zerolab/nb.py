@@ -1,0 +1,56 @@
+"""Helpers for the notebooks and labs: show the package's own code, launch ranks, read results.
+
+Idea: a notebook never keeps a second copy of zerolab's code - it displays the real source with
+`show(...)` - and never initialises CUDA or runs a collective in the kernel: `launch(...)` starts
+the ranks as a subprocess with the kernel's own Python (torch.distributed.run), streams their
+output into the cell, and raises with the failing rank's traceback, killing every rank on error,
+timeout or interrupt.
+
+    from zerolab import nb
+    nb.show(zerolab.zero2.ZeRO2._grads_ready)
+    runs = nb.launch(stages="0,1,2,3", nproc=4, preset="nano", steps=3, out="runs/nb04")
+"""
+from __future__ import annotations
+
+import inspect
+
+from .launch import resolve, run_torchrun
+from .report import load_run
+
+
+def show(obj, *, lines: tuple[int, int] | None = None):
+    """Display `obj`'s source (a function, class, method or module) with its file and line."""
+    from IPython.display import Markdown, display
+    source, start = inspect.getsourcelines(obj)
+    if lines:
+        source = source[lines[0]:lines[1]]
+    path = inspect.getsourcefile(obj)
+    short = path[path.rfind("zerolab/"):] if "zerolab/" in path else path
+    display(Markdown(f"`{short}`, line {start}:\n\n```python\n{''.join(source).rstrip()}\n```"))
+
+
+def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backend="auto",
+           device="auto", timeout=600, echo=print, **train_flags) -> dict[int, list[dict]]:
+    """Run `zerolab.train` on `nproc` local ranks; return {stage: [rank0 json, ...]}.
+
+    train_flags: any `zerolab.train` option with underscores, e.g. batch_size=8,
+    precision="fp32", zero1_grad_op="reduce_scatter", timeline=True, grad_accum=2.
+    Raises ValueError for a bad nproc / backend / device before any process starts, and
+    zerolab.launch.LaunchError (with the rank's traceback) when the run fails.
+    """
+    backend, device = resolve(nproc, backend, device)
+    argv = ["--stages", str(stages), "--preset", preset, "--steps", str(steps), "--out", str(out),
+            "--backend", backend, "--device", device]
+    for name, value in train_flags.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value not in (None, False):
+            argv += [flag, str(value)]
+    run_torchrun(argv, nproc, timeout=timeout, echo=echo)
+    return load_run(out)
+
+
+def launch_module(module: str, args: list[str], *, nproc: int, timeout=300, echo=print) -> str:
+    """Run any torchrun program (e.g. "zerolab.demos.collectives") on `nproc` local CPU ranks."""
+    return run_torchrun(list(args), nproc, module=module, timeout=timeout, echo=echo)

@@ -1,0 +1,124 @@
+"""Reading the ranks' JSON files back, the stage-comparison table, and its plot.
+
+Idea: every rank wrote OUT/stage{S}/rank{r}.json; this module turns a run folder into rows
+(final loss, measured vs theory model-state bytes per rank, measured vs theory bytes per step)
+and into one matplotlib figure. The CLI's `compare`, the labs and the notebooks all read runs
+through here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import theory
+
+
+def load_run(out_dir) -> dict[int, list[dict]]:
+    """{stage: [rank0 json, rank1 json, ...]} from OUT/stage*/rank*.json (ranks in order).
+
+    Raises FileNotFoundError naming `out_dir` when it holds no stage folders."""
+    out = Path(out_dir)
+    runs = {}
+    for folder in sorted(out.glob("stage[0-3]")):
+        ranks = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+        if ranks:
+            runs[int(folder.name[5:])] = [json.loads(p.read_text()) for p in ranks]
+    if not runs:
+        raise FileNotFoundError(f"no stage*/rank*.json under {str(out)!r}: run zerolab train first")
+    return runs
+
+
+def compare_rows(runs: dict[int, list[dict]]) -> list[dict]:
+    """One row per stage, from rank 0 (and the max over ranks for the measured bytes).
+
+    Bytes: model_states (measured after the last step, max over ranks), theory_states (the
+    formula at the padded Ψ), theory_states_unpadded (at Ψ), traffic (ledger bytes of the last
+    step, grads + params), theory_traffic (formula at the padded Ψ)."""
+    rows = []
+    for stage, ranks in sorted(runs.items()):
+        r0 = ranks[0]
+        rows.append({
+            "stage": stage, "name": r0["name"], "world_size": r0["world_size"],
+            "num_params": r0["num_params"], "final_loss": r0["losses"][-1], "losses": r0["losses"],
+            "model_states": max(r["memory"]["model_states_total"] for r in ranks),
+            "theory_states": sum(r0["theory"]["model_states_padded"].values()),
+            "theory_states_unpadded": sum(r0["theory"]["model_states"].values()),
+            "traffic": max(sum(r["comm"]["bytes_per_step"].values()) for r in ranks),
+            "theory_traffic": sum(r0["theory"]["traffic_per_step_padded"].values()),
+            "peak_tracked": max(r["memory"]["peak_total"] for r in ranks),
+            "allocator_peak": max(((r["memory"].get("allocator") or {}).get("peak_absolute") or 0)
+                                  for r in ranks),
+        })
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The comparison as a text table (bytes per rank)."""
+    head = (f"{'stage':<8}{'final loss':>11}{'model states':>14}{'formula':>12}{'ratio':>7}"
+            f"{'bytes/step':>12}{'formula':>12}{'ratio':>7}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['name']:<8}{r['final_loss']:>11.4f}{r['model_states']:>14,.0f}"
+                     f"{r['theory_states']:>12,.0f}{_ratio(r['model_states'], r['theory_states']):>7}"
+                     f"{r['traffic']:>12,.0f}{r['theory_traffic']:>12,.0f}"
+                     f"{_ratio(r['traffic'], r['theory_traffic']):>7}")
+    return "\n".join(lines)
+
+
+def _ratio(a, b):
+    return f"{a / b:.3f}" if b else ("1.000" if a == b else "inf")
+
+
+def plot_compare(runs: dict[int, list[dict]], path) -> Path:
+    """Three panels: loss curves, model-state bytes per rank by state (measured vs formula),
+    bytes per step by collective (measured vs formula). Saves a PNG at `path`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_mem, ax_net) = plt.subplots(1, 3, figsize=(15, 4.2))
+    stages = sorted(runs)
+    for s in stages:
+        ax_loss.plot(range(1, len(runs[s][0]["losses"]) + 1), runs[s][0]["losses"],
+                     marker="o", label=theory.STAGE_NAMES[s], alpha=0.8)
+    ax_loss.set(title="loss per step (identical data and seed)", xlabel="step", ylabel="loss")
+    ax_loss.legend()
+    width = 0.38
+    for i, s in enumerate(stages):
+        r0 = runs[s][0]
+        bottom_m = bottom_t = 0.0
+        for j, state in enumerate(theory.STATES):
+            m = r0["memory"]["model_states"][state] / 1e6
+            t = r0["theory"]["model_states_padded"][state] / 1e6
+            color = f"C{j}"
+            ax_mem.bar(i - width / 2, m, width, bottom=bottom_m, color=color,
+                       label=state if i == 0 else None)
+            ax_mem.bar(i + width / 2, t, width, bottom=bottom_t, color=color, alpha=0.45,
+                       hatch="//", edgecolor="white")
+            bottom_m, bottom_t = bottom_m + m, bottom_t + t
+    ax_mem.set_xticks(range(len(stages)), [f"{theory.STAGE_NAMES[s]}\nmeas | formula" for s in stages])
+    ax_mem.set(title="model states per rank", ylabel="MB (1e6 bytes)")
+    ax_mem.legend(fontsize=8)
+    for j, op in enumerate(("all_reduce", "reduce_scatter", "all_gather")):
+        meas = [runs[s][0]["comm"]["bytes_per_step"][op] / 1e6 for s in stages]
+        form = [runs[s][0]["theory"]["traffic_per_step_padded"][op] / 1e6 for s in stages]
+        base_m = [sum(runs[s][0]["comm"]["bytes_per_step"][o] / 1e6
+                      for o in ("all_reduce", "reduce_scatter", "all_gather")[:j]) for s in stages]
+        base_f = [sum(runs[s][0]["theory"]["traffic_per_step_padded"][o] / 1e6
+                      for o in ("all_reduce", "reduce_scatter", "all_gather")[:j]) for s in stages]
+        xs = range(len(stages))
+        ax_net.bar([x - width / 2 for x in xs], meas, width, bottom=base_m, color=f"C{j + 5}", label=op)
+        ax_net.bar([x + width / 2 for x in xs], form, width, bottom=base_f, color=f"C{j + 5}",
+                   alpha=0.45, hatch="//", edgecolor="white")
+    ax_net.set_xticks(range(len(stages)), [f"{theory.STAGE_NAMES[s]}\nmeas | formula" for s in stages])
+    ax_net.set(title="bytes sent per rank per step (ring)", ylabel="MB (1e6 bytes)")
+    ax_net.legend(fontsize=8)
+    n = runs[stages[0]][0]["world_size"]
+    fig.suptitle(f"{runs[stages[0]][0]['preset']} GPT, Ψ = {runs[stages[0]][0]['num_params']:,}, "
+                 f"N = {n} ranks, {runs[stages[0]][0]['backend']} on {runs[stages[0]][0]['device']}")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
