@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-allocator", action="store_true",
                    help="skip the allocator / MemTracker cross-check on the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait")
-    return p
+    p.add_argument("--crash-rank", type=int, default=None, help=argparse.SUPPRESS)  # tests: this
+    return p                                                                         # rank raises
 
 
 def check_args(args, world_size: int):
@@ -114,6 +115,8 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
     losses, norms, times, allocator = [], [], [], None
     for step in range(args.steps):
         comm.step = step
+        if args.crash_rank == rank and step == args.steps - 1:
+            raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank) at step {step}")
         last = step == args.steps - 1
         meter.record_timeline = last and args.timeline
         meter.reset_peaks()
