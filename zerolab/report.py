@@ -78,10 +78,10 @@ def plot_compare(runs: dict[int, list[dict]], path) -> Path:
 
     fig, (ax_loss, ax_mem, ax_net) = plt.subplots(1, 3, figsize=(15, 4.2))
     stages = sorted(runs)
-    for s in stages:
+    for i, s in enumerate(stages):   # decreasing marker sizes: identical curves stay visible
         ax_loss.plot(range(1, len(runs[s][0]["losses"]) + 1), runs[s][0]["losses"],
-                     marker="o", label=theory.STAGE_NAMES[s], alpha=0.8)
-    ax_loss.set(title="loss per step (identical data and seed)", xlabel="step", ylabel="loss")
+                     marker="o", markersize=11 - 2.5 * i, label=theory.STAGE_NAMES[s])
+    ax_loss.set(title="loss per step (same data and seed)", xlabel="step", ylabel="loss")
     ax_loss.legend()
     width = 0.38
     for i, s in enumerate(stages):
@@ -96,8 +96,9 @@ def plot_compare(runs: dict[int, list[dict]], path) -> Path:
             ax_mem.bar(i + width / 2, t, width, bottom=bottom_t, color=color, alpha=0.45,
                        hatch="//", edgecolor="white")
             bottom_m, bottom_t = bottom_m + m, bottom_t + t
-    ax_mem.set_xticks(range(len(stages)), [f"{theory.STAGE_NAMES[s]}\nmeas | formula" for s in stages])
-    ax_mem.set(title="model states per rank", ylabel="MB (1e6 bytes)")
+    ax_mem.set_xticks(range(len(stages)), [theory.STAGE_NAMES[s] for s in stages])
+    ax_mem.set(title="model states per rank", ylabel="MB (1e6 bytes)",
+               xlabel="solid: measured, hatched: formula")
     ax_mem.legend(fontsize=8)
     for j, op in enumerate(("all_reduce", "reduce_scatter", "all_gather")):
         meas = [runs[s][0]["comm"]["bytes_per_step"][op] / 1e6 for s in stages]
@@ -110,8 +111,9 @@ def plot_compare(runs: dict[int, list[dict]], path) -> Path:
         ax_net.bar([x - width / 2 for x in xs], meas, width, bottom=base_m, color=f"C{j + 5}", label=op)
         ax_net.bar([x + width / 2 for x in xs], form, width, bottom=base_f, color=f"C{j + 5}",
                    alpha=0.45, hatch="//", edgecolor="white")
-    ax_net.set_xticks(range(len(stages)), [f"{theory.STAGE_NAMES[s]}\nmeas | formula" for s in stages])
-    ax_net.set(title="bytes sent per rank per step (ring)", ylabel="MB (1e6 bytes)")
+    ax_net.set_xticks(range(len(stages)), [theory.STAGE_NAMES[s] for s in stages])
+    ax_net.set(title="bytes sent per rank per step (ring)", ylabel="MB (1e6 bytes)",
+               xlabel="solid: measured, hatched: formula")
     ax_net.legend(fontsize=8)
     n = runs[stages[0]][0]["world_size"]
     fig.suptitle(f"{runs[stages[0]][0]['preset']} GPT, Ψ = {runs[stages[0]][0]['num_params']:,}, "
