@@ -113,19 +113,11 @@ def check_launch(args) -> tuple[str, str]:
     """Validate everything a launch needs, before any process starts; return (backend, device)."""
     from .data import load_tokens
     from .model import get_config
-    from .train import parse_stages
-    parse_stages(args.stages)
-    overrides = {"block_size": args.block_size} if args.block_size else {}
-    cfg = get_config(args.preset, **overrides)
+    from .train import check_args
     backend, device = resolve(args.nproc, args.backend, args.device, args.nnodes)
-    world_size = args.nproc * args.nnodes
-    for name in ("steps", "batch_size", "grad_accum"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
-    if args.batch_size % (world_size * args.grad_accum):
-        raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
-                         f"{world_size} x --grad-accum {args.grad_accum}")
-    load_tokens(args.data, cfg.block_size)
+    check_args(args, args.nproc * args.nnodes)
+    overrides = {"block_size": args.block_size} if args.block_size else {}
+    load_tokens(args.data, get_config(args.preset, **overrides).block_size)
     return backend, device
 
 
