@@ -22,12 +22,15 @@ def clean(nb: dict) -> dict:
         cell["metadata"].pop("papermill", None)
         if cell["cell_type"] != "code":
             continue
-        cell["execution_count"] = None
-        if TAG not in cell["metadata"].get("tags", []):
+        # nbval refuses a reference cell that has outputs but no execution_count ("Unrun
+        # reference cell has outputs"), so a kept cell gets a fixed count of 1.
+        keep = TAG in cell["metadata"].get("tags", [])
+        cell["execution_count"] = 1 if keep else None
+        if not keep:
             cell["outputs"] = []
         for out in cell["outputs"]:
             if "execution_count" in out:
-                out["execution_count"] = None
+                out["execution_count"] = 1
     nb["metadata"].pop("papermill", None)
     return nb
 

@@ -22,8 +22,10 @@ def show(obj, *, lines: tuple[int, int] | None = None):
     """Display `obj`'s source (a function, class, method or module) with its file and line."""
     from IPython.display import Markdown, display
     source, start = inspect.getsourcelines(obj)
+    start = max(start, 1)                       # a module's source starts at line 1, not 0
     if lines:
         source = source[lines[0]:lines[1]]
+        start += lines[0]
     path = inspect.getsourcefile(obj)
     short = path[path.rfind("zerolab/"):] if "zerolab/" in path else path
     display(Markdown(f"`{short}`, line {start}:\n\n```python\n{''.join(source).rstrip()}\n```"))

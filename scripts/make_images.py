@@ -1,0 +1,190 @@
+"""Regenerate every figure in images/ from zerolab's formulas (no training run, no GPU).
+
+    python scripts/make_images.py            # writes images/*.png
+    python scripts/make_images.py --out /tmp/img
+
+Figures:
+  memory_7p5b_n64.png     per-rank model-state memory by state and ZeRO stage, Ψ = 7.5B, N = 64
+                          (the ZeRO paper's Figure 1 numbers: 120 / 31.4 / 16.6 / 1.9 GB)
+  memory_7p5b_n8.png      the same at N = 8 (the notes' 16Ψ / 5.5Ψ / 3.75Ψ / 2Ψ)
+  zero_stages.png         what each of 4 ranks keeps resident at each stage: the notes' missing
+                          figure ("memory composition for full fine-tuning of a 7.5B model, and
+                          the ZeRO stages"), redrawn from theory.SHARDED_FROM_STAGE
+  ring_allreduce.png      a ring all-reduce on 4 ranks: 3 reduce-scatter steps then 3 all-gather
+                          steps, each rank sending one chunk (S/n) per step
+
+Notebook 02 calls `memory_by_stage` and `zero_stages` to draw the same figures inline; notebook 03
+shows ring_allreduce.png. Every function returns a matplotlib Figure and saves nothing itself.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+
+from zerolab import theory
+
+ROOT = Path(__file__).resolve().parent.parent
+DPI = 100
+COLORS = {"params": "#4C72B0", "grads": "#DD8452", "master_weights": "#55A868",
+          "exp_avg": "#C44E52", "exp_avg_sq": "#8172B3"}
+LABELS = {"params": "bf16 weights (2Ψ)", "grads": "bf16 grads (2Ψ)",
+          "master_weights": "fp32 master (4Ψ)", "exp_avg": "fp32 exp_avg m_t (4Ψ)",
+          "exp_avg_sq": "fp32 exp_avg_sq v_t (4Ψ)"}
+
+
+def memory_by_stage(psi: float = 7.5e9, world_size: int = 64, optimizer_bytes=None):
+    """Stacked bars: per-rank GB of each model state at each stage (activations excluded)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    rows = theory.memory_table(psi, world_size, optimizer_bytes=optimizer_bytes)
+    for i, row in enumerate(rows):
+        bottom = 0.0
+        for state in theory.STATES:
+            gb = row[state] / 1e9
+            ax.bar(i, gb, 0.6, bottom=bottom, color=COLORS[state],
+                   label=LABELS[state] if i == 0 else None)
+            bottom += gb
+        ax.text(i, bottom, f"{bottom:.3g} GB\n{row['bytes_per_param']:.4g}Ψ", ha="center",
+                va="bottom", fontsize=9)
+    ax.set_xticks(range(len(rows)), [f"{r['name']}" for r in rows])
+    ax.set_ylim(0, rows[0]["total"] / 1e9 * 1.22)
+    ax.set_ylabel("GB per rank (1 GB = 1e9 bytes)")
+    ax.set_title(f"Model states per rank: Ψ = {psi / 1e9:g}B parameters, N = {world_size} ranks, "
+                 "AdamW + bf16", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def zero_stages(psi: float = 7.5e9, world_size: int = 64, shown_ranks: int = 4):
+    """What each rank keeps resident at each stage, drawn as the ZeRO paper draws it.
+
+    Each rank's row is the 16 bytes of one parameter laid out as 2 + 2 + 12 (weights, grads,
+    optimizer state); a sharded state keeps only the rank's own 1/N slice (solid), the rest is
+    held by the other ranks (outline only). GB per rank at `psi`, `world_size` on the right.
+    """
+    n = shown_ranks
+    groups = (("params", 2), ("grads", 2), ("optimizer", 12))
+    fig, axes = plt.subplots(4, 1, figsize=(8.5, 6.4), sharex=True)
+    for stage, ax in zip(theory.STAGES, axes):
+        for r in range(n):
+            x = 0.0
+            for name, width in groups:
+                state = "master_weights" if name == "optimizer" else name
+                color = COLORS[state]
+                if theory.is_sharded(state, stage):
+                    ax.add_patch(Rectangle((x, r), width, 0.8, fill=False, edgecolor=color, lw=1))
+                    ax.add_patch(Rectangle((x + width * r / n, r), width / n, 0.8, color=color))
+                else:
+                    ax.add_patch(Rectangle((x, r), width, 0.8, color=color))
+                x += width + 0.3
+        total = theory.model_state_total(psi, world_size, stage) / 1e9
+        formula = {0: "16Ψ", 1: "4Ψ + 12Ψ/N", 2: "2Ψ + 14Ψ/N", 3: "16Ψ/N"}[stage]
+        ax.text(17.0, n / 2, f"{formula}\n= {total:.3g} GB at\nΨ = {psi / 1e9:g}B, N = {world_size}",
+                va="center", fontsize=9)
+        ax.set_xlim(-0.2, 21)
+        ax.set_ylim(-0.2, n)
+        ax.set_yticks([r + 0.4 for r in range(n)], [f"rank {r}" for r in range(n)], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{theory.STAGE_NAMES[stage]}: " + {
+            0: "every rank holds every state",
+            1: "optimizer state (master, m_t, v_t) sharded",
+            2: "+ gradients sharded",
+            3: "+ bf16 weights sharded (gathered one block at a time)"}[stage],
+            fontsize=9, loc="left")
+        for side in ("top", "right", "bottom"):
+            ax.spines[side].set_visible(False)
+    axes[-1].set_xticks([1, 3.3, 10.6], ["bf16 weights\n2 B/param", "bf16 grads\n2 B/param",
+                                          "fp32 master + m_t + v_t\n12 B/param"], fontsize=8)
+    fig.suptitle("Resident model states per rank (solid = held by this rank), "
+                 f"{n} of the N ranks drawn", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def ring_steps(n: int = 4) -> list[tuple[str, list[list[frozenset]], set]]:
+    """Simulate a ring all-reduce of n chunks on n ranks.
+
+    Returns [(title, cells, sent)] for the start and each of the 2(n-1) steps; cells[rank][chunk]
+    is the set of ranks whose contribution that copy holds; sent is {(rank, chunk)} sent this step.
+    Reduce-scatter step k: rank i sends chunk (i-k-1) mod n to rank i+1, which adds it; after n-1
+    steps rank i holds the full sum of chunk i. All-gather step k: rank i sends chunk (i-k) mod n
+    (complete) to rank i+1, which overwrites its copy.
+    """
+    cells = [[frozenset({r}) for _ in range(n)] for r in range(n)]
+    out = [("start: rank r holds its own\nS split in n chunks", [row[:] for row in cells], set())]
+    for k in range(n - 1):
+        sent = {(i, (i - k - 1) % n) for i in range(n)}
+        new = [row[:] for row in cells]
+        for i, c in sent:
+            new[(i + 1) % n][c] = cells[(i + 1) % n][c] | cells[i][c]
+        cells = new
+        out.append((f"reduce-scatter {k + 1}/{n - 1}", [row[:] for row in cells], sent))
+    for k in range(n - 1):
+        sent = {(i, (i - k) % n) for i in range(n)}
+        new = [row[:] for row in cells]
+        for i, c in sent:
+            new[(i + 1) % n][c] = cells[i][c]
+        cells = new
+        out.append((f"all-gather {k + 1}/{n - 1}", [row[:] for row in cells], sent))
+    return out
+
+
+def ring_allreduce(n: int = 4):
+    """The ring all-reduce, one panel per step (rows: ranks, columns: chunks of S/n)."""
+    steps = ring_steps(n)
+    fig, axes = plt.subplots(1, len(steps), figsize=(2.0 * len(steps), 2.9))
+    cmap = plt.get_cmap("Blues")
+    for ax, (title, cells, sent) in zip(axes, steps):
+        for r in range(n):
+            for c in range(n):
+                contrib = cells[r][c]
+                full = len(contrib) == n
+                ax.add_patch(Rectangle((c, r), 0.95, 0.9, color=cmap(0.2 + 0.7 * len(contrib) / n)))
+                label = "Σ" if full else "+".join(str(i) for i in sorted(contrib))
+                ax.text(c + 0.47, r + 0.45, label, ha="center", va="center", fontsize=8,
+                        color="white" if len(contrib) > n / 2 else "black")
+                if ((r - 1) % n, c) in sent:
+                    ax.add_patch(Rectangle((c, r), 0.95, 0.9, fill=False, edgecolor="#C44E52", lw=2))
+        ax.set_xlim(0, n)
+        ax.set_ylim(n, 0)
+        ax.set_xticks([c + 0.47 for c in range(n)], [f"c{c}" for c in range(n)], fontsize=7)
+        ax.set_yticks([r + 0.45 for r in range(n)], [f"r{r}" for r in range(n)], fontsize=7)
+        ax.set_title(title, fontsize=8)
+        ax.tick_params(length=0)
+        for side in ax.spines.values():
+            side.set_visible(False)
+    fig.suptitle(f"Ring all-reduce on n = {n} ranks: 2(n-1) = {2 * (n - 1)} steps, each rank sends "
+                 f"one chunk of S/n per step -> 2(n-1)/n·S per rank (red: chunk just received)",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = {
+    "memory_7p5b_n64.png": lambda: memory_by_stage(7.5e9, 64),
+    "memory_7p5b_n8.png": lambda: memory_by_stage(7.5e9, 8),
+    "zero_stages.png": lambda: zero_stages(7.5e9, 64),
+    "ring_allreduce.png": lambda: ring_allreduce(4),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(ROOT / "images"))
+    args = p.parse_args(argv)
+    plt.switch_backend("Agg")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in FIGURES.items():
+        fig = make()
+        fig.savefig(out / name, dpi=DPI)
+        plt.close(fig)
+        print(f"wrote {out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
