@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--timeline", action="store_true", help="record memory over the last step")
+    p.add_argument("--cuda-snapshot", action="store_true", help="CUDA only: record the allocator's "
+                   "history over the last step into OUT/stage{S}/rank{r}_snapshot.pickle")
     p.add_argument("--no-allocator", action="store_true",
                    help="skip the allocator / MemTracker cross-check on the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait")
@@ -122,6 +124,9 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         meter.reset_peaks()
         meter.sample(strategy, "step start")
         t0 = time.perf_counter()
+        snapshot = last and getattr(args, "cuda_snapshot", False) and device.type == "cuda"
+        if snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         if last and not args.no_allocator:
             result = {}
             allocator = allocator_peak(lambda: result.update(out=one_step(step)), device)
@@ -130,9 +135,15 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             local, norm = one_step(step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if snapshot:
+            path = Path(args.out) / f"stage{stage}" / f"rank{rank}_snapshot.pickle"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(path))
+            torch.cuda.memory._record_memory_history(enabled=None)
         times.append(time.perf_counter() - t0)
         mean = local.to(device)
-        comm.all_reduce(mean, what="metric", unit="loss")
+        with comm.phase("step"):
+            comm.all_reduce(mean, what="metric", unit="loss")
         losses.append(mean.item() / n)
         norms.append(float(norm))
         if rank == 0:

@@ -3,8 +3,9 @@
 Idea (the notes' "ZeRO-2 ... layer-by-layer 的 reduce-scatter"): forward is DDP's, with full bf16
 weights. In backward, just before a block's backward runs, a bucket for its full local gradient
 is allocated; as soon as the block's gradients are in it, the bucket is reduce-scattered and
-freed, so each rank keeps only the averaged gradient of its own range, and at most a couple of
-buckets of full gradient are ever alive at once. The update is ZeRO-1's: own range, then
+freed, so each rank keeps only the averaged gradient of its own range. Full gradient alive at
+once: the root bucket (tied embedding/head, open for the whole backward) plus at most three block
+buckets (two reducing, one filling) - whatever the depth of the model. The update is ZeRO-1's: own range, then
 all_gather. Per rank: 2Ψ + (2Ψ + 12Ψ)/N bytes (3.75Ψ at N = 8); traffic 2(n-1)/n·2Ψ a step.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 2 --preset tiny --steps 3

@@ -1,0 +1,172 @@
+"""What the ranks hold and move, measured, against the formulas of zerolab.theory.
+
+Memory: `MemoryMeter.current` after a step equals `theory.model_state_bytes` at the padded Ψ,
+exactly, on every rank. Traffic: the comm ledger of one step equals `theory.traffic_bytes`, and an
+independent `TorchDispatchMode` that watches torch's own c10d ops (and computes ring bytes itself
+from the tensors it sees) agrees with the ledger op by op.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import pytest
+import torch
+
+from conftest import global_batch, make_model, run_ranks
+from zerolab import theory
+
+VARIANTS = [(0, None), (1, "all_reduce"), (1, "reduce_scatter"), (2, None), (3, None)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STEPS = 2          # measure the second step: AdamW creates exp_avg / exp_avg_sq in the first
+
+
+def _watch_c10d():
+    """A TorchDispatchMode that sums per-rank ring bytes of every c10d collective it sees."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class C10dWatch(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes, self.unknown = defaultdict(float), []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = str(func)
+            if "c10d" in name:
+                n = dist.get_world_size()
+                sizes = [t.numel() * t.element_size() for t in tree_leaves((args, kwargs))
+                         if isinstance(t, torch.Tensor)]
+                # nccl-tests ring bytes per rank; S is the full array: the larger of (output,
+                # input) for reduce-scatter and all-gather, the tensors themselves otherwise
+                if "allreduce" in name:
+                    self.bytes["all_reduce"] += sum(sizes) * 2 * (n - 1) / n
+                elif "reduce_scatter" in name:
+                    self.bytes["reduce_scatter"] += max(sizes) * (n - 1) / n
+                elif "allgather" in name or "all_gather" in name:
+                    self.bytes["all_gather"] += max(sizes) * (n - 1) / n
+                elif "broadcast" in name:
+                    self.bytes["broadcast"] += sum(sizes)
+                else:
+                    self.unknown.append(name)
+            return func(*args, **kwargs)
+
+    return C10dWatch()
+
+
+def measure_worker(rank, n, model_name, precision, grad_accum):
+    """Per variant: this rank's units, Ψ, meter current/peak after the measured step, ledger bytes
+    of that step (grads+params by theory's ops, and all kinds), and the dispatch-mode bytes."""
+    from zerolab import STRATEGIES
+    from zerolab.comm import Comm
+    from zerolab.memory import MemoryMeter
+    from zerolab.model import num_params
+
+    out = {}
+    for stage, grad_op in VARIANTS:
+        model = make_model(model_name).to(DTYPES[precision])
+        comm, meter = Comm(), MemoryMeter()
+        kwargs = {"grad_op": grad_op} if grad_op else {}
+        s = STRATEGIES[stage](model, comm, max_grad_norm=1.0, lr=1e-3, weight_decay=0.1,
+                              meter=meter, **kwargs)
+        watch = _watch_c10d()
+        for step in range(STEPS):
+            comm.step = step
+            meter.reset_peaks()
+            meter.sample(s, "step start")
+            x, y = global_batch(model, step, 2 * n * grad_accum)
+            with watch if step == STEPS - 1 else contextlib.nullcontext():
+                for micro in range(grad_accum):
+                    rows = slice((rank * grad_accum + micro) * 2,
+                                 (rank * grad_accum + micro + 1) * 2)
+                    loss = s.forward(x[rows], y[rows])
+                    s.backward(loss / grad_accum, sync=micro == grad_accum - 1)
+                s.step()
+        last = STEPS - 1
+        out[(stage, grad_op)] = {
+            "units": [(u.name, u.numel, u.padded_numel, u.shard_numel) for u in s.units],
+            "psi": num_params(model), "current": dict(meter.current), "peak": dict(meter.peak),
+            "ledger": comm.bytes_by_op(step=last),
+            "ledger_all": comm.bytes_by_op(step=last, what=("grads", "params", "metric")),
+            "watched": dict(watch.bytes), "unknown_ops": watch.unknown,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def nano4_bf16():
+    """GPT nano with 4 blocks, bf16, 3 ranks (3 divides none of its unit sizes), no accumulation."""
+    return run_ranks(measure_worker, 3, "nano4", "bf16", 1)
+
+
+@pytest.fixture(scope="module")
+def odd_fp32_accum2():
+    """The odd-sized toy model, fp32, 4 ranks, 2 micro-steps per optimizer step."""
+    return run_ranks(measure_worker, 4, "odd", "fp32", 2)
+
+
+CASES = [("nano4_bf16", 3, "bf16", 1), ("odd_fp32_accum2", 4, "fp32", 2)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fixture,n,precision,A", CASES)
+def test_model_state_bytes_equal_formula_at_padded_psi(request, fixture, n, precision, A):
+    for rank, result in enumerate(request.getfixturevalue(fixture)):
+        for (stage, grad_op), r in result.items():
+            psi_padded = sum(u[2] for u in r["units"])
+            psi = r["psi"]
+            assert psi == sum(u[1] for u in r["units"])
+            assert all(u[2] % n == 0 and u[3] * n == u[2] for u in r["units"])
+            assert 0 <= psi_padded - psi < n * len(r["units"])
+            expect = theory.model_state_bytes(psi_padded, n, stage, precision)
+            measured = {state: r["current"][state] for state in theory.STATES}
+            assert measured == expect, (stage, grad_op, rank)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fixture,n,precision,A", CASES)
+def test_ledger_bytes_per_step_equal_formula(request, fixture, n, precision, A):
+    for rank, result in enumerate(request.getfixturevalue(fixture)):
+        for (stage, grad_op), r in result.items():
+            psi_padded = sum(u[2] for u in r["units"])
+            expect = theory.traffic_bytes(psi_padded, n, stage, precision, grad_op or "all_reduce",
+                                          grad_accum=A)
+            ledger = r["ledger"]
+            assert ledger["broadcast"] == 0
+            # float sums of (n-1)/n-scaled terms: equal up to rounding, hence rel=1e-12
+            assert {op: ledger[op] for op in expect} == pytest.approx(expect, rel=1e-12), \
+                (stage, grad_op, rank)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fixture,n,precision,A", CASES)
+def test_ledger_agrees_with_torch_dispatch_watch(request, fixture, n, precision, A):
+    for rank, result in enumerate(request.getfixturevalue(fixture)):
+        for (stage, grad_op), r in result.items():
+            assert r["unknown_ops"] == []
+            watched = {op: r["watched"].get(op, 0.0) for op in r["ledger_all"]}
+            assert watched == pytest.approx(r["ledger_all"], rel=1e-12), (stage, grad_op, rank)
+            assert sum(watched.values()) > 0
+
+
+@pytest.mark.timeout(180)
+def test_zero2_grads_never_exceed_the_shard(nano4_bf16):
+    for result in nano4_bf16:
+        r = result[(2, None)]
+        shard_bytes = sum(u[3] for u in r["units"]) * 2          # bf16
+        assert r["peak"]["grads"] == shard_bytes
+        full_bytes = sum(u[2] for u in r["units"]) * 2
+        assert 0 < r["peak"]["grad_buckets"] < full_bytes        # never every bucket at once
+
+
+@pytest.mark.timeout(180)
+def test_zero3_never_gathers_every_block_at_once(nano4_bf16):
+    for result in nano4_bf16:
+        r = result[(3, None)]
+        blocks = [u for u in r["units"] if u[0].startswith("block.")]
+        assert len(blocks) >= 4
+        full_bytes = sum(u[2] for u in r["units"]) * 2           # bf16
+        assert 0 < r["peak"]["gathered_params"] < full_bytes
+        assert r["current"]["gathered_params"] == 0              # all freed after the step
