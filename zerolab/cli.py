@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default="runs/train")
 
     cmp = sub.add_parser("compare", help="stages 0-3, same seed and data: table + JSON + PNG")
-    _add_launch_args(cmp, "0,1,2,3", 4, "tiny", 5)
+    _add_launch_args(cmp, "0,1,2,3", 4, "tiny", 10)
     cmp.add_argument("--out", default="runs/compare")
 
     labs = sub.add_parser("labs", help="execute every lab notebook with papermill, write a report")

@@ -66,7 +66,8 @@ def get_batch(tokens: torch.Tensor, step: int, batch_size: int, block_size: int,
     """The global batch of `step`: (x, y) int64 [batch_size, block_size], y = x shifted by one."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(tokens) - block_size, (batch_size,), generator=g)
-    rows = torch.stack([tokens[s:s + block_size + 1] for s in starts.tolist()]).long()
+    # gather by index (a new tensor): slicing views would make MemTracker count the whole corpus
+    rows = tokens[starts[:, None] + torch.arange(block_size + 1)].long()   # [B, T + 1]
     return rows[:, :-1], rows[:, 1:]
 
 

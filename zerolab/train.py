@@ -189,14 +189,19 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
 def summary_table(results: list[dict]) -> str:
     """Rank 0's table: loss, measured vs theory model-state bytes and traffic per step."""
     lines = [f"{'stage':<8}{'final loss':>11}{'states (B)':>12}{'theory (B)':>12}"
-             f"{'traffic (B)':>13}{'theory (B)':>12}{'step ms':>9}"]
+             f"{'traffic (B)':>13}{'theory (B)':>12}{'median ms':>10}"]
     for r in results:
         traffic = sum(r["comm"]["bytes_per_step"].values())
         lines.append(f"{r['name']:<8}{r['losses'][-1]:>11.4f}{r['memory']['model_states_total']:>12,.0f}"
                      f"{sum(r['theory']['model_states_padded'].values()):>12,.0f}{traffic:>13,.0f}"
                      f"{sum(r['theory']['traffic_per_step_padded'].values()):>12,.0f}"
-                     f"{1e3 * sum(r['step_times_s'][1:] or r['step_times_s']) / max(1, len(r['step_times_s'][1:]) or 1):>9.0f}")
+                     f"{1e3 * _median(r['step_times_s']):>10.0f}")
     return "\n".join(lines)
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def setup(args):
