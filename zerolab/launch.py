@@ -132,6 +132,22 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     return "".join(lines)
 
 
+def rank_entry(main) -> None:
+    """Run a rank program's `main()` (returns an exit code) and exit.
+
+    torchrun's `@record` writes a raising rank's traceback where the launcher shows it as the
+    root cause. On success the process ends with os._exit after flushing, skipping interpreter
+    finalization: there gloo's worker threads can abort an otherwise finished rank with
+    "terminate called without an active exception" (pytorch/pytorch#179291), which we saw
+    intermittently on torch 2.13 CPU even after destroy_process_group.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
+    code = record(main)()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def run_torchrun(module_args: list[str], nproc: int, *, timeout: float = 600, echo=print,
                  **kwargs) -> str:
     """torchrun_command + run: launch `zerolab.train` (or `module=`) on `nproc` local ranks."""

@@ -53,13 +53,14 @@ class MemoryMeter:
                 "timeline": [{"tag": t, "t": s, **c} for t, s, c in self.timeline]}
 
 
-def allocator_peak(run_step, device: torch.device) -> dict:
+def allocator_peak(run_step, device: torch.device, external=()) -> dict:
     """Run `run_step()` once and return the allocator's view of it, independent of the meter.
 
     CUDA: {"source": "torch.cuda", "peak_allocated": max_memory_allocated - baseline,
     "allocated_before", "peak_absolute", "reserved"} in bytes. CPU: MemTracker's peak over the step
     {"source": "MemTracker", "peak_absolute", "by_type": {type: bytes}}; MemTracker counts every live
-    CPU tensor it can see (parameters, gradients, optimizer states, activations, temporaries).
+    CPU tensor it can see: those created during the step, plus `external` (the model, the
+    optimizer and the strategy's flat buffers, created before the step).
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -72,6 +73,7 @@ def allocator_peak(run_step, device: torch.device) -> dict:
                 "peak_allocated": peak - before, "reserved": torch.cuda.memory_reserved(device)}
     from torch.distributed._tools.mem_tracker import MemTracker
     tracker = MemTracker()
+    tracker.track_external(*external)
     with tracker:
         run_step()
     snap = tracker.get_tracker_snapshot("peak")

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", action="store_true", help="record memory over the last step")
     p.add_argument("--cuda-snapshot", action="store_true", help="CUDA only: record the allocator's "
                    "history over the last step into OUT/stage{S}/rank{r}_snapshot.pickle")
+    p.add_argument("--save-params", action="store_true",
+                   help="rank 0 saves the final full parameters to OUT/stage{S}/params.pt")
     p.add_argument("--no-allocator", action="store_true",
                    help="skip the allocator / MemTracker cross-check on the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait")
@@ -129,7 +131,10 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         if last and not args.no_allocator:
             result = {}
-            allocator = allocator_peak(lambda: result.update(out=one_step(step)), device)
+            held = [t for cat, ts in strategy.state_tensors().items()     # the optimizer
+                    if cat not in ("exp_avg", "exp_avg_sq") for t in ts if t is not None]
+            allocator = allocator_peak(lambda: result.update(out=one_step(step)), device,
+                                       external=(model, strategy.optimizer, *held))
             local, norm = result["out"]
         else:
             local, norm = one_step(step)
@@ -158,6 +163,12 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         val = strategy.forward(xm, ym).detach().float().reshape(())
         with comm.phase("eval"):
             comm.all_reduce(val, what="metric", unit="val_loss")
+    if args.save_params:            # every rank takes part (ZeRO-3 gathers), rank 0 writes
+        params = strategy.full_parameters()
+        if rank == 0:
+            path = Path(args.out) / f"stage{stage}" / "params.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({k: v.cpu() for k, v in params.items()}, path)
     last = args.steps - 1
     measured_state = {s: meter.current.get(s, 0) for s in theory.STATES}
     return {
@@ -254,5 +265,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
-    sys.exit(record(main)())
+    from .launch import rank_entry
+    rank_entry(main)

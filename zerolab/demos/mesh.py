@@ -221,6 +221,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-    from torch.distributed.elastic.multiprocessing.errors import record
-    sys.exit(record(main)())
+    from zerolab.launch import rank_entry
+    rank_entry(main)
