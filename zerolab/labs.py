@@ -9,9 +9,6 @@ and state (or collective) whose measured bytes differ from the formula.
 
     zerolab labs                                    # every lab, parameters that fit this machine
     zerolab labs --only memory,traffic -p steps=3   # some labs, with a papermill override
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m zerolab.labs \\
-        --stages 0,1,2,3 --preset nano --steps 3 --precision fp32 --out runs/params
-        # zerolab.train plus each stage's final parameters in OUT/stage{S}/params.pt (lab 5)
 """
 from __future__ import annotations
 
