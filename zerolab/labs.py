@@ -490,6 +490,18 @@ def _parse_overrides(items) -> list[tuple[str, str]]:
     return out
 
 
+COMMON = ("nproc", "backend", "device", "stages", "preset", "steps")
+
+
+def _check_overrides(overrides):
+    """Check the overrides every lab shares (read as papermill reads them, YAML) with
+    `check_parameters`, so that a bad value stops `zerolab labs` before any lab starts."""
+    import yaml
+    common = {name: yaml.safe_load(value) for name, value in overrides if name in COMMON}
+    if common:
+        check_parameters(**common)
+
+
 def _error_text(err: Exception) -> str:
     text = str(err)
     hit = [h for h in re.findall(r"(?m)^\s*\w*(?:Error|Exception)\w*:? .*$", text)
@@ -508,6 +520,7 @@ def run_labs(args) -> int:
     out = Path(args.out).resolve()
     books = lab_notebooks(only=args.only)
     overrides = _parse_overrides(args.parameter)
+    _check_overrides(overrides)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     t_all = time.perf_counter()

@@ -1,0 +1,92 @@
+"""Labs' parameter checks and the launcher's interrupt handling.
+
+A lab (and `zerolab labs -p ...`) must stop on a bad parameter with one line naming it, before
+any process starts; interrupting a launch (Ctrl-C in a notebook kernel) must stop every rank.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from zerolab.labs import LabParameterError, check_parameters
+
+
+@pytest.mark.parametrize("params, named", [
+    ({"nproc": 0}, "nproc = 0"),
+    ({"nproc": "4"}, "'4'"),
+    ({"nproc": True}, "True"),
+    ({"stages": "0,5"}, "5"),
+    ({"stages": [0, "x"]}, "'x'"),
+    ({"preset": "huge"}, "'huge'"),
+    ({"steps": 0}, "steps = 0"),
+    ({"nproc": 4, "backend": "nccl", "device": "cuda", "gpus": 1}, "4"),
+    ({"backend": "mpi"}, "'mpi'"),
+    ({"world_sizes": [1, 0]}, "0"),
+    ({"colour": "red"}, "colour"),
+])
+def test_bad_lab_parameter_is_one_line_naming_it(params, named):
+    with pytest.raises(LabParameterError) as err:
+        check_parameters(**{"gpus": 0, **params})
+    message = str(err.value)
+    assert named in message and "\n" not in message
+
+
+def test_good_lab_parameters_resolve_to_cpu_gloo_without_gpus():
+    p = check_parameters(nproc="auto", stages=[0, 3], preset="nano", steps=2, gpus=0)
+    assert (p.nproc, p.backend, p.device, p.stage_list) == (2, "gloo", "cpu", [0, 3])
+    assert p.batch_size % p.nproc == 0
+
+
+def test_zerolab_labs_refuses_a_bad_override_before_running_any_lab(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "zerolab", "labs", "--out", str(tmp_path / "o"),
+                           "-p", "nproc=0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "nproc = 0" in proc.stderr
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+    assert time.monotonic() - t0 < 60          # no papermill kernel was started
+
+
+def _train_pids(marker: str) -> list[int]:
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines()
+            if "zerolab.train" in line and marker in line]
+
+
+@pytest.mark.timeout(180)
+def test_interrupt_stops_every_rank(tmp_path):
+    """SIGINT to the launching process (what Jupyter's interrupt sends to a kernel) ends the run
+    with LaunchError('interrupted') and leaves no rank running."""
+    out = tmp_path / "interrupted"
+    script = textwrap.dedent(f"""
+        from zerolab.launch import LaunchError, run_torchrun
+        try:
+            run_torchrun(["--stages", "0", "--preset", "nano", "--steps", "100000",
+                          "--no-allocator", "--out", {str(out)!r}], 2, timeout=170)
+        except LaunchError as err:
+            print("LAUNCH ERROR:", str(err).splitlines()[0], flush=True)
+            raise SystemExit(3)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:                 # wait until the ranks are training
+        seen.append(line)
+        if "step 2/" in line:
+            break
+    assert _train_pids(str(out)), "no rank was running:\n" + "".join(seen)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3, "".join(seen) + rest
+    assert "interrupted" in rest
+    deadline = time.monotonic() + 10
+    while _train_pids(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _train_pids(str(out))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks left running: {left}"
