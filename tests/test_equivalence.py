@@ -14,7 +14,8 @@ from conftest import global_batch, make_model, run_ranks
 
 LR, WD, BETAS, EPS = 1e-4, 0.1, (0.9, 0.95), 1e-8
 STEPS = 5
-VARIANTS = [(0, None), (1, "all_reduce"), (1, "reduce_scatter"), (2, None), (3, None)]
+VARIANTS = [(0, None), (1, "all_reduce"), (1, "reduce_scatter"), (2, None), (3, None),
+            (3, "prefetch")]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -35,7 +36,9 @@ def train_worker(rank, n, jobs):
             model = make_model(job["model"]).to(DTYPES[job["precision"]])
             comm = Comm()
             kwargs = dict(max_grad_norm=job["max_norm"], lr=job.get("lr", LR), weight_decay=WD)
-            if grad_op:
+            if grad_op == "prefetch":
+                kwargs["prefetch"] = True
+            elif grad_op:
                 kwargs["grad_op"] = grad_op
             s = STRATEGIES[stage](model, comm, **kwargs)
             losses, norms = [], []

@@ -16,7 +16,8 @@ import torch
 from conftest import global_batch, make_model, run_ranks
 from zerolab import theory
 
-VARIANTS = [(0, None), (1, "all_reduce"), (1, "reduce_scatter"), (2, None), (3, None)]
+VARIANTS = [(0, None), (1, "all_reduce"), (1, "reduce_scatter"), (2, None), (3, None),
+            (3, "prefetch")]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STEPS = 2          # measure the second step: AdamW creates exp_avg / exp_avg_sq in the first
 
@@ -68,7 +69,7 @@ def measure_worker(rank, n, model_name, precision, grad_accum):
     for stage, grad_op in VARIANTS:
         model = make_model(model_name).to(DTYPES[precision])
         comm, meter = Comm(), MemoryMeter()
-        kwargs = {"grad_op": grad_op} if grad_op else {}
+        kwargs = {"prefetch": True} if grad_op == "prefetch" else {"grad_op": grad_op} if grad_op else {}
         s = STRATEGIES[stage](model, comm, max_grad_norm=1.0, lr=1e-3, weight_decay=0.1,
                               meter=meter, **kwargs)
         watch = _watch_c10d()
@@ -131,7 +132,7 @@ def test_ledger_bytes_per_step_equal_formula(request, fixture, n, precision, A):
     for rank, result in enumerate(request.getfixturevalue(fixture)):
         for (stage, grad_op), r in result.items():
             psi_padded = sum(u[2] for u in r["units"])
-            expect = theory.traffic_bytes(psi_padded, n, stage, precision, grad_op or "all_reduce",
+            expect = theory.traffic_bytes(psi_padded, n, stage, precision, grad_op if stage == 1 else "all_reduce",
                                           grad_accum=A)
             ledger = r["ledger"]
             assert ledger["broadcast"] == 0
@@ -170,3 +171,17 @@ def test_zero3_never_gathers_every_block_at_once(nano4_bf16):
         full_bytes = sum(u[2] for u in r["units"]) * 2           # bf16
         assert 0 < r["peak"]["gathered_params"] < full_bytes
         assert r["current"]["gathered_params"] == 0              # all freed after the step
+
+
+@pytest.mark.timeout(180)
+def test_zero3_prefetch_holds_one_more_block_and_moves_the_same_bytes(nano4_bf16):
+    """Without prefetch the gathered peak is the root unit plus one block; prefetching the next
+    block's all_gather adds exactly one block; the bytes on the wire are the same."""
+    for result in nano4_bf16:
+        plain, ahead = result[(3, None)], result[(3, "prefetch")]
+        size = {name: padded * 2 for name, _, padded, _ in plain["units"]}     # bf16 bytes
+        block = max(v for k, v in size.items() if k.startswith("block."))
+        assert plain["peak"]["gathered_params"] == size["root"] + block
+        assert ahead["peak"]["gathered_params"] == size["root"] + 2 * block
+        assert ahead["ledger"] == plain["ledger"]
+        assert ahead["current"]["gathered_params"] == 0

@@ -51,6 +51,8 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
     p.add_argument("--timeline", action="store_true", help="record memory over the last step")
+    p.add_argument("--zero3-prefetch", action="store_true",
+                   help="ZeRO-3: gather the next block while the current one computes")
     p.add_argument("--save-params", action="store_true",
                    help="save each stage's final parameters to OUT/stage{S}/params.pt")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the run is killed")
@@ -106,7 +108,7 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params")
+    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch")
              if getattr(args, flag)]
     return argv
 

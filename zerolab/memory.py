@@ -49,7 +49,7 @@ class MemoryMeter:
         self.t0 = time.perf_counter()
 
     def to_json(self) -> dict:
-        return {"current": self.current, "peak": self.peak, "peak_total": self.peak_total,
+        return {"current": dict(self.current), "peak": dict(self.peak), "peak_total": self.peak_total,
                 "timeline": [{"tag": t, "t": s, **c} for t, s, c in self.timeline]}
 
 

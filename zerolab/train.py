@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--precision", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
+    p.add_argument("--zero3-prefetch", action="store_true",
+                   help="ZeRO-3: gather the next block while the current one computes")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0: no clipping")
@@ -89,6 +91,8 @@ def make_strategy(stage, model, comm, args, meter):
                   weight_decay=args.weight_decay)
     if stage == 1:
         kwargs["grad_op"] = args.zero1_grad_op
+    if stage == 3:
+        kwargs["prefetch"] = args.zero3_prefetch
     return STRATEGIES[stage](model, comm, **kwargs)
 
 
@@ -155,7 +159,9 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             print(f"[stage {stage}] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
                   f"grad_norm {norms[-1]:.4f}  {times[-1] * 1e3:.0f} ms", flush=True)
 
-    # --- held-out loss (outside the measured steps) -------------------------------------------
+    # --- held-out loss and saved parameters: outside the measured steps ------------------------
+    memory = meter.to_json()                # what the last step held, before eval touches it
+    meter.record_timeline = False
     comm.step = -1
     with torch.no_grad():
         x, y = get_batch(val_tokens, 0, args.batch_size, cfg.block_size, args.seed + 1)
@@ -170,20 +176,21 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({k: v.cpu() for k, v in params.items()}, path)
     last = args.steps - 1
-    measured_state = {s: meter.current.get(s, 0) for s in theory.STATES}
+    measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
     return {
         "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank, "world_size": n,
         "backend": dist.get_backend(), "device": str(device), "precision": args.precision,
         "preset": args.preset, "model_config": cfg.__dict__, "num_params": psi,
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
+        "zero3_prefetch": args.zero3_prefetch if stage == 3 else None,
         "seed": args.seed, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
         "step_times_s": times,
         "units": [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
                    "shard_numel": u.shard_numel, "padding_in_shard": u.padding_in_shard()}
                   for u in strategy.units],
         "memory": {"model_states": measured_state, "model_states_total": sum(measured_state.values()),
-                   **meter.to_json(), "allocator": allocator},
+                   **memory, "allocator": allocator},
         "theory": {
             "model_states": theory.model_state_bytes(psi, n, stage, args.precision),
             "model_states_padded": theory.model_state_bytes(psi_padded, n, stage, args.precision),

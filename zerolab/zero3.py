@@ -6,6 +6,8 @@ freed. Just before the block's backward they are gathered again; when its gradie
 they are reduce-scattered (as in ZeRO-2) and the full parameters are freed. Each rank updates its
 own range; no all_gather follows the step, because nobody keeps full weights. Per rank:
 (2 + 2 + 12)Ψ/N = 16Ψ/N bytes (2Ψ at N = 8) at the price of 3(n-1)/n·2Ψ bytes a step.
+With prefetch=True (`--zero3-prefetch`) the next block's all_gather is issued while the current
+block computes: the same bytes, one more gathered block alive.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 3 --preset tiny --steps 3
 
@@ -23,8 +25,11 @@ from .sharding import (alloc_storage, build_units, clip_grad_norm_, free_storage
 class ZeRO3:
     stage = 3
 
-    def __init__(self, model, comm, *, max_grad_norm=0.0, meter=None, **adamw):
-        self.model, self.comm, self.meter = model, comm, meter
+    def __init__(self, model, comm, *, prefetch=False, max_grad_norm=0.0, meter=None, **adamw):
+        """prefetch=True issues the next block's all_gather (forward order in forward, reverse
+        in backward) as soon as the current block is gathered, so it can overlap the current
+        block's compute; the price is a second gathered block in memory."""
+        self.model, self.comm, self.meter, self.prefetch = model, comm, meter, prefetch
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.units = build_units(model, comm.world_size, comm.rank)
         for u in self.units:
@@ -44,12 +49,24 @@ class ZeRO3:
         self.optimizer = make_optimizer([u.master for u in self.units], **adamw)
         self.inflight = []
         self.root = [u for u in self.units if u.module is None]
+        self.blocks = [u for u in self.units if u.module is not None]     # forward order
+        self.prefetched = {}                # unit name -> all_gather issued ahead of use
         on_grads_ready(self.units, self._grads_ready)
 
     def _gather(self, u):
-        alloc_storage(u.param_flat)
-        self.comm.all_gather(u.param_flat, u.param_shard, what="params", unit=u.name)
+        if u.name in self.prefetched:       # issued earlier: just wait for it
+            self.prefetched.pop(u.name).wait()
+        else:
+            alloc_storage(u.param_flat)
+            self.comm.all_gather(u.param_flat, u.param_shard, what="params", unit=u.name)
         self._sample(f"all_gather {u.name}")
+        if self.prefetch and u in self.blocks:
+            i = self.blocks.index(u) + (-1 if self.comm.current_phase == "backward" else 1)
+            if 0 <= i < len(self.blocks) and self.blocks[i].name not in self.prefetched:
+                nxt = self.blocks[i]
+                alloc_storage(nxt.param_flat)
+                self.prefetched[nxt.name] = self.comm.all_gather(
+                    nxt.param_flat, nxt.param_shard, what="params", unit=nxt.name, async_op=True)
 
     def _free(self, u):
         free_storage(u.param_flat)
