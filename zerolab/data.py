@@ -44,7 +44,8 @@ def load_tokens(path: str | os.PathLike | None, block_size: int, val_fraction: f
     else:
         p = Path(path)
         if not p.is_file():
-            raise ValueError(f"data file {str(path)!r} does not exist (give a text file, or omit --data "
+            what = "is a directory, not a file" if p.is_dir() else "does not exist"
+            raise ValueError(f"data file {str(path)!r} {what} (give a text file, or omit --data "
                              "to use the standard library sources)")
         data = p.read_bytes()
         where = repr(str(path))

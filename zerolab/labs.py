@@ -576,7 +576,8 @@ def write_report(out: Path, results: list[dict], seconds: float, overrides=()) -
         numbers = (r["summary"] or {}).get("numbers", {})
         if numbers:
             lines += ["| quantity | value |", "|---|---|"]
-            lines += [f"| {k} | {_fmt(v)} |" for k, v in numbers.items()]
+            lines += [f"| {k.replace('|', chr(92) + '|')} | {_fmt(v)} |"      # escape | in cells
+                      for k, v in numbers.items()]
             lines.append("")
         for note in (r["summary"] or {}).get("notes", []):
             lines.append(f"- {note}")

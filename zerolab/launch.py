@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -53,6 +54,8 @@ def resolve(nproc: int, backend: str = "auto", device: str = "auto", nnodes: int
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device {device!r} is not one of auto, cpu, cuda")
     gpus = cuda_device_count() if gpus is None else gpus
+    if backend == "nccl" and gpus == 0:
+        raise ValueError("backend 'nccl' needs GPUs and none is visible (use backend 'gloo')")
     if backend == "auto":
         backend = "nccl" if device != "cpu" and gpus >= nproc else "gloo"
     if device == "auto":
@@ -94,9 +97,13 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     """
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True, bufsize=1)
+                            env=env, start_new_session=True, bufsize=1,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     lines, tail = [], collections.deque(maxlen=tail_lines)
     deadline = time.monotonic() + timeout
+    previous = {}
+    if threading.current_thread() is threading.main_thread():   # SIGTERM / SIGHUP: clean up too
+        previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         import selectors
         sel = selectors.DefaultSelector()
@@ -120,12 +127,15 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
             if echo and not _noise(line):
                 echo(line.rstrip("\n"))
         proc.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as err:
         _kill(proc)
-        raise LaunchError("interrupted: all ranks were stopped", "".join(tail)) from None
+        why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"terminated ({err})"
+        raise LaunchError(f"{why}: all ranks were stopped", "".join(tail)) from None
     finally:
         if proc.poll() is None:
             _kill(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if proc.returncode != 0:
         raise LaunchError(f"the ranks exited with code {proc.returncode}: {' '.join(cmd[2:])}",
                           "".join(tail))
@@ -152,6 +162,24 @@ def run_torchrun(module_args: list[str], nproc: int, *, timeout: float = 600, ec
                  **kwargs) -> str:
     """torchrun_command + run: launch `zerolab.train` (or `module=`) on `nproc` local ranks."""
     return run(torchrun_command(module_args, nproc, **kwargs), timeout=timeout, echo=echo)
+
+
+class _Terminated(Exception):
+    """SIGTERM or SIGHUP reached the launching process."""
+
+
+def _raise_terminated(signum, _frame):
+    raise _Terminated(signal.Signals(signum).name)
+
+
+def _die_with_parent():
+    """In the child, before exec: ask Linux to send SIGTERM if the launcher dies, even by
+    SIGKILL (prctl PR_SET_PDEATHSIG); torchrun then stops its ranks."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 _NOISE = ("*****", "Setting OMP_NUM_THREADS", "further tune the variable")

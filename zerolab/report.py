@@ -58,7 +58,7 @@ def format_rows(rows: list[dict]) -> str:
             f"{'bytes/step':>12}{'formula':>12}{'ratio':>7}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['name']:<8}{r['final_loss']:>11.4f}{r['model_states']:>14,.0f}"
+        lines.append(f"{r['name']:<8}{r['final_loss']:>11.6f}{r['model_states']:>14,.0f}"
                      f"{r['theory_states']:>12,.0f}{_ratio(r['model_states'], r['theory_states']):>7}"
                      f"{r['traffic']:>12,.0f}{r['theory_traffic']:>12,.0f}"
                      f"{_ratio(r['traffic'], r['theory_traffic']):>7}")

@@ -27,6 +27,7 @@ from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
 from .memory import MemoryMeter, allocator_peak
 from .model import GPT, PRESETS, get_config, num_params
+from .report import compare_rows, format_rows
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -74,16 +75,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p                                                                         # rank raises
 
 
+def model_config(args):
+    """The GPTConfig of --preset with --block-size applied (ValueError names a bad one)."""
+    if args.block_size is not None and args.block_size < 1:
+        raise ValueError(f"--block-size {args.block_size} must be >= 1 (tokens of context)")
+    overrides = {"block_size": args.block_size} if args.block_size is not None else {}
+    return get_config(args.preset, **overrides)
+
+
 def check_args(args, world_size: int):
-    """Raise ValueError (one line) for values no run could use."""
+    """Raise ValueError (one line) for values no run could use; return the model config."""
     args.stage_list = parse_stages(args.stages)
-    get_config(args.preset)
+    cfg = model_config(args)
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    for name in ("lr", "timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name} {getattr(args, name)} must be > 0")
     if args.batch_size % (world_size * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
                          f"{world_size} x --grad-accum {args.grad_accum}")
+    return cfg
 
 
 def make_strategy(stage, model, comm, args, meter):
@@ -99,8 +112,7 @@ def make_strategy(stage, model, comm, args, meter):
 def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
     """Train one stage on this rank; return the JSON-ready result."""
     rank, n, A = comm.rank, comm.world_size, args.grad_accum
-    overrides = {"block_size": args.block_size} if args.block_size else {}
-    cfg = get_config(args.preset, **overrides)
+    cfg = model_config(args)
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device=device, dtype=DTYPES[args.precision])
     psi = num_params(model)
@@ -204,24 +216,6 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
     }
 
 
-def summary_table(results: list[dict]) -> str:
-    """Rank 0's table: loss, measured vs theory model-state bytes and traffic per step."""
-    lines = [f"{'stage':<8}{'final loss':>11}{'states (B)':>12}{'theory (B)':>12}"
-             f"{'traffic (B)':>13}{'theory (B)':>12}{'median ms':>10}"]
-    for r in results:
-        traffic = sum(r["comm"]["bytes_per_step"].values())
-        lines.append(f"{r['name']:<8}{r['losses'][-1]:>11.4f}{r['memory']['model_states_total']:>12,.0f}"
-                     f"{sum(r['theory']['model_states_padded'].values()):>12,.0f}{traffic:>13,.0f}"
-                     f"{sum(r['theory']['traffic_per_step_padded'].values()):>12,.0f}"
-                     f"{1e3 * _median(r['step_times_s']):>10.0f}")
-    return "\n".join(lines)
-
-
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")
-
-
 def setup(args):
     """Initialise the process group from torchrun's environment; return (comm, device)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -246,9 +240,8 @@ def main(argv=None) -> int:
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     world_size = int(os.environ["WORLD_SIZE"])
     try:
-        check_args(args, world_size)
-        overrides = {"block_size": args.block_size} if args.block_size else {}
-        train_tokens, val_tokens = load_tokens(args.data, get_config(args.preset, **overrides).block_size)
+        cfg = check_args(args, world_size)
+        train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
     except ValueError as err:
         if int(os.environ["RANK"]) == 0:
             print(f"zerolab.train: error: {err}", file=sys.stderr)
@@ -264,7 +257,8 @@ def main(argv=None) -> int:
             results.append(result)
             dist.barrier()
         if comm.rank == 0:
-            print(summary_table(results), flush=True)
+            print("\nrank 0, bytes after the last step (formula at the padded Ψ):")
+            print(format_rows(compare_rows({r["stage"]: [r] for r in results})), flush=True)
             print(f"wrote {Path(args.out).resolve()}/stage*/rank*.json", flush=True)
     finally:
         dist.destroy_process_group()
