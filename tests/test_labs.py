@@ -1,4 +1,4 @@
-"""Labs' parameter checks and the launcher's interrupt handling.
+"""Labs' parameter checks and the launcher's handling of interrupts and signals.
 
 A lab (and `zerolab labs -p ...`) must stop on a bad parameter with one line naming it, before
 any process starts; interrupting a launch (Ctrl-C in a notebook kernel) must stop every rank.
@@ -58,9 +58,12 @@ def _train_pids(marker: str) -> list[int]:
 
 
 @pytest.mark.timeout(180)
-def test_interrupt_stops_every_rank(tmp_path):
-    """SIGINT to the launching process (what Jupyter's interrupt sends to a kernel) ends the run
-    with LaunchError('interrupted') and leaves no rank running."""
+@pytest.mark.parametrize("sig, says", [(signal.SIGINT, "interrupted"),
+                                       (signal.SIGTERM, "terminated"), (signal.SIGKILL, None)])
+def test_interrupt_stops_every_rank(tmp_path, sig, says):
+    """SIGINT to the launching process (what Jupyter's interrupt sends to a kernel) or SIGTERM
+    ends the run with a LaunchError saying so; SIGKILL gives the launcher no chance to speak, and
+    still no rank may remain (the kernel asks Linux to signal torchrun when its parent dies)."""
     out = tmp_path / "interrupted"
     script = textwrap.dedent(f"""
         from zerolab.launch import LaunchError, run_torchrun
@@ -79,10 +82,13 @@ def test_interrupt_stops_every_rank(tmp_path):
         if "step 2/" in line:
             break
     assert _train_pids(str(out)), "no rank was running:\n" + "".join(seen)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 3, "".join(seen) + rest
-    assert "interrupted" in rest
+    if says:
+        assert proc.returncode == 3, "".join(seen) + rest
+        assert says in rest
+    else:
+        assert proc.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 10
     while _train_pids(str(out)) and time.monotonic() < deadline:
         time.sleep(0.2)
