@@ -147,8 +147,8 @@ def step_records(r: dict, step: int | None = None, what=("grads", "params")) -> 
 
 
 def step_timeline(r: dict) -> list[dict]:
-    """memory.timeline of one rank json, cut after the last step's "step done" sample (the rows
-    after it belong to the held-out evaluation). Raises ValueError when the run had no timeline."""
+    """memory.timeline of one rank json (the last step), up to its "step done" sample.
+    Raises ValueError when the run had no timeline."""
     rows = r["memory"].get("timeline") or []
     if not rows:
         raise ValueError("this run has no memory timeline: launch it with timeline=True")

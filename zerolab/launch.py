@@ -98,7 +98,7 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True, bufsize=1,
-                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                            preexec_fn=_pdeathsig())
     lines, tail = [], collections.deque(maxlen=tail_lines)
     deadline = time.monotonic() + timeout
     previous = {}
@@ -172,14 +172,18 @@ def _raise_terminated(signum, _frame):
     raise _Terminated(signal.Signals(signum).name)
 
 
-def _die_with_parent():
-    """In the child, before exec: ask Linux to send SIGTERM if the launcher dies, even by
-    SIGKILL (prctl PR_SET_PDEATHSIG); torchrun then stops its ranks."""
+def _pdeathsig():
+    """A function for Popen's preexec_fn that asks Linux to send SIGTERM to the child if the
+    launcher dies, even by SIGKILL (prctl PR_SET_PDEATHSIG = 1); torchrun then stops its ranks.
+    libc is loaded here, in the parent: the forked child only calls it (no dlopen after fork)."""
+    if sys.platform != "linux":
+        return None
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGTERM)
 
 
 _NOISE = ("*****", "Setting OMP_NUM_THREADS", "further tune the variable")
