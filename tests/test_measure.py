@@ -185,3 +185,25 @@ def test_zero3_prefetch_holds_one_more_block_and_moves_the_same_bytes(nano4_bf16
         assert ahead["peak"]["gathered_params"] == size["root"] + 2 * block
         assert ahead["ledger"] == plain["ledger"]
         assert ahead["current"]["gathered_params"] == 0
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 7])
+def test_padding_held_by_the_ranks_adds_up_to_the_padding(n):
+    """Over all ranks, the padding inside the shards is exactly each unit's padding, once; a
+    replicated state carries the whole padding on every rank (zerolab.memory.padding_bytes)."""
+    from zerolab import theory
+    from zerolab.memory import padding_bytes
+    from zerolab.sharding import FlatUnit
+
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in ((1001, 5), (3,), (1,), (2, 2))]
+    layouts = [[FlatUnit("a", params[:2], n, r), FlatUnit("b", params[2:], n, r)] for r in range(n)]
+    pad = sum(u.padded_numel - u.numel for u in layouts[0])
+    assert 0 <= pad < n * 2
+    per = theory.bytes_per_param("bf16")
+    for stage in theory.STAGES:
+        held = [padding_bytes(units, stage) for units in layouts]
+        for state in theory.STATES:
+            if theory.is_sharded(state, stage):
+                assert sum(h[state] for h in held) == pad * per[state]
+            else:
+                assert all(h[state] == pad * per[state] for h in held)

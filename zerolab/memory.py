@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from . import theory
 from .sharding import storage_bytes
 
 TRANSIENT = ("gathered_params", "grad_buckets")
@@ -84,3 +85,14 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
                 by_type[str(k).split(".")[-1]] = int(v)
     total = by_type.pop("Total", by_type.pop("total", sum(by_type.values())))
     return {"source": "MemTracker", "peak_absolute": total, "by_type": by_type}
+
+
+def padding_bytes(units, stage: int, precision: str = "bf16") -> dict[str, int]:
+    """Bytes of padding this rank holds inside each model state: the zeros that round every unit
+    up to a multiple of N. Replicated buffers carry (padded_numel - numel) of them, shards only
+    the part of the padding that falls in this rank's range (the last ranks). Included in the
+    measured bytes; `theory.model_state_bytes` at the padded Ψ counts them too."""
+    per = theory.bytes_per_param(precision)
+    return {state: sum((u.padding_in_shard() if theory.is_sharded(state, stage)
+                        else u.padded_numel - u.numel) * per[state] for u in units)
+            for state in theory.STATES}

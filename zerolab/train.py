@@ -25,7 +25,7 @@ import torch.distributed as dist
 from . import STRATEGIES, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
-from .memory import MemoryMeter, allocator_peak
+from .memory import MemoryMeter, allocator_peak, padding_bytes
 from .model import GPT, PRESETS, get_config, num_params
 from .report import compare_rows, format_rows
 
@@ -202,6 +202,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
                    "shard_numel": u.shard_numel, "padding_in_shard": u.padding_in_shard()}
                   for u in strategy.units],
         "memory": {"model_states": measured_state, "model_states_total": sum(measured_state.values()),
+                   "padding": padding_bytes(strategy.units, stage, args.precision),
                    **memory, "allocator": allocator},
         "theory": {
             "model_states": theory.model_state_bytes(psi, n, stage, args.precision),
