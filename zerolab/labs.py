@@ -21,9 +21,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from . import theory
+from .memory import TRANSIENT
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-TRANSIENT = ("grad_buckets", "gathered_params")
 LAB_DIR = Path(__file__).resolve().parent.parent / "labs"
 
 

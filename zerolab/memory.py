@@ -21,7 +21,7 @@ import torch
 from . import theory
 from .sharding import storage_bytes
 
-TRANSIENT = ("gathered_params", "grad_buckets")
+TRANSIENT = ("grad_buckets", "gathered_params")   # come and go within a step
 
 
 class MemoryMeter:
