@@ -14,7 +14,9 @@ Categories (bytes): params, grads, master_weights, exp_avg, exp_avg_sq (the five
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
 
 import torch
 
@@ -85,6 +87,20 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
                 by_type[str(k).split(".")[-1]] = int(v)
     total = by_type.pop("Total", by_type.pop("total", sum(by_type.values())))
     return {"source": "MemTracker", "peak_absolute": total, "by_type": by_type}
+
+
+@contextlib.contextmanager
+def cuda_memory_history(path: Path):
+    """Record the CUDA caching allocator's history inside the block and dump it to `path` (a
+    pickle that `zerolab.plots` draws offline with matplotlib; torch's HTML viewer needs the
+    internet). CUDA only."""
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        yield
+    finally:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def padding_bytes(units, stage: int, precision: str = "bf16") -> dict[str, int]:

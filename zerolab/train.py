@@ -12,6 +12,7 @@ stages can run one after another in one launch (`--stages 0,1,2,3`), which is wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from . import STRATEGIES, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
-from .memory import MemoryMeter, allocator_peak, padding_bytes
+from .memory import MemoryMeter, allocator_peak, cuda_memory_history, padding_bytes
 from .model import GPT, PRESETS, get_config, num_params
 from .report import compare_rows, format_rows
 
@@ -142,25 +143,20 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         meter.reset_peaks()
         meter.sample(strategy, "step start")
         t0 = time.perf_counter()
-        snapshot = last and getattr(args, "cuda_snapshot", False) and device.type == "cuda"
-        if snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
-        if last and not args.no_allocator:
-            result = {}
-            held = [t for cat, ts in strategy.state_tensors().items()     # the optimizer
-                    if cat not in ("exp_avg", "exp_avg_sq") for t in ts if t is not None]
-            allocator = allocator_peak(lambda: result.update(out=one_step(step)), device,
-                                       external=(model, strategy.optimizer, *held))
-            local, norm = result["out"]
-        else:
-            local, norm = one_step(step)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if snapshot:
-            path = Path(args.out) / f"stage{stage}" / f"rank{rank}_snapshot.pickle"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(str(path))
-            torch.cuda.memory._record_memory_history(enabled=None)
+        snapshot = (cuda_memory_history(Path(args.out) / f"stage{stage}" / f"rank{rank}_snapshot.pickle")
+                    if last and args.cuda_snapshot and device.type == "cuda" else contextlib.nullcontext())
+        with snapshot:
+            if last and not args.no_allocator:
+                result = {}
+                held = [t for cat, ts in strategy.state_tensors().items()     # the optimizer
+                        if cat not in ("exp_avg", "exp_avg_sq") for t in ts if t is not None]
+                allocator = allocator_peak(lambda: result.update(out=one_step(step)), device,
+                                           external=(model, strategy.optimizer, *held))
+                local, norm = result["out"]
+            else:
+                local, norm = one_step(step)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         mean = local.to(device)
         with comm.phase("step"):
