@@ -447,13 +447,6 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def launch(*, stages="0", nproc=2, out="runs/nb", **kwargs) -> dict[int, list[dict]]:
-    """zerolab.nb.launch (kept here so a lab reads `labs.launch`); save_params=True makes rank 0
-    write each stage's final parameters to OUT/stage{S}/params.pt for `load_params`."""
-    from . import nb
-    return nb.launch(stages=stages, nproc=nproc, out=out, **kwargs)
-
-
 # --- summaries and the `zerolab labs` report -----------------------------------------------------
 def save_summary(out, lab: str, numbers: dict, notes: list[str] | None = None) -> Path:
     """Write OUT/summary.json: the lab's key measured-vs-formula numbers for `zerolab labs`."""
