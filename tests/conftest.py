@@ -192,12 +192,56 @@ class OddToy(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), y.reshape(-1))
 
 
+class CondBlock(nn.Module):
+    """h + tanh(a(h)), plus b(h) only on rows whose first token is 0 (the "trigger"): b is
+    skipped in Python when no row of the batch triggers it, so it then gets no gradient.
+    `unused` (if present) is never called."""
+
+    def __init__(self, dim, with_unused=False):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+        self.unused = nn.Linear(dim, 3) if with_unused else None
+        self.trigger = None             # [B] bool, set by CondToy.forward
+
+    def forward(self, h):
+        out = h + torch.tanh(self.a(h))
+        if self.trigger.any():          # data-dependent control flow
+            out = out + torch.where(self.trigger[:, None, None], self.b(h), 0.0)
+        return out
+
+
+class CondToy(nn.Module):
+    """Parameters that get no gradient: blocks[i].b (used only when a row starts with token 0),
+    blocks[1].unused (never used, in a unit), `spare` (never used, in the root unit)."""
+
+    def __init__(self, vocab=64, dim=16):
+        super().__init__()
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([CondBlock(dim), CondBlock(dim, with_unused=True)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.spare = nn.Parameter(torch.ones(5))
+
+    def zero_units(self):
+        return [(f"block.{i}", b) for i, b in enumerate(self.blocks)]
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            b.trigger = x[:, 0] == 0
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return F.cross_entropy(self.head(self.norm(h)).float().flatten(0, 1), y.reshape(-1))
+
+
 def make_model(name: str, seed: int = 0) -> nn.Module:
     """The same freshly initialised fp32 model in every process that asks for (name, seed).
 
     nano: the GPT "nano" preset (tied embedding / head). nano4: nano with 4 blocks.
     nano_frozen: nano with wpe and block 0's c_fc.weight frozen (requires_grad=False).
-    tied: TiedToy. odd: OddToy.
+    tied: TiedToy. odd: OddToy. cond: CondToy.
     """
     from zerolab.model import GPT, get_config
     torch.manual_seed(seed)
@@ -214,6 +258,8 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
         return TiedToy()
     if name == "odd":
         return OddToy()
+    if name == "cond":
+        return CondToy()
     raise ValueError(name)
 
 
@@ -222,9 +268,13 @@ def vocab_and_context(model) -> tuple[int, int]:
     return (cfg.vocab_size, cfg.block_size) if cfg is not None else (model.vocab, 8)
 
 
-def global_batch(model, step: int, rows: int, seed: int = 0):
-    """(x, y) int64 [rows, T] for `step`, from a generator seeded by (seed, step) alone."""
+def global_batch(model, step: int, rows: int, seed: int = 0, trigger=None):
+    """(x, y) int64 [rows, T] for `step`, from a generator seeded by (seed, step) alone.
+    trigger: row indices that start with token 0 (CondToy's branch); then no other row does."""
     vocab, T = vocab_and_context(model)
     g = torch.Generator().manual_seed(seed * 7919 + step)
     data = torch.randint(0, vocab, (rows, T + 1), generator=g)
+    if trigger is not None:
+        data[:, 0] = data[:, 0].clamp(min=1)
+        data[list(trigger), 0] = 0
     return data[:, :-1], data[:, 1:]

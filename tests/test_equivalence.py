@@ -35,7 +35,8 @@ def train_worker(rank, n, jobs):
         for stage, grad_op in VARIANTS:
             model = make_model(job["model"]).to(DTYPES[job["precision"]])
             comm = Comm()
-            kwargs = dict(max_grad_norm=job["max_norm"], lr=job.get("lr", LR), weight_decay=WD)
+            kwargs = dict(max_grad_norm=job["max_norm"], lr=job.get("lr", LR), weight_decay=WD,
+                          find_unused_parameters=job.get("find_unused", False))
             if grad_op == "prefetch":
                 kwargs["prefetch"] = True
             elif grad_op:
@@ -44,7 +45,8 @@ def train_worker(rank, n, jobs):
             losses, norms = [], []
             for step in range(STEPS):
                 comm.step = step
-                x, y = global_batch(model, step, n * A * per)
+                freeze(model, job, step)
+                x, y = global_batch(model, step, n * A * per, trigger=trigger(job, step))
                 local = 0.0
                 for micro in range(A):
                     rows = slice((rank * A + micro) * per, (rank * A + micro + 1) * per)
@@ -62,6 +64,17 @@ def train_worker(rank, n, jobs):
     return out
 
 
+def trigger(job, step):
+    """Rows of the global batch that take CondToy's branch at `step` (None: not a CondToy job)."""
+    return job["trigger"][step % len(job["trigger"])] if "trigger" in job else None
+
+
+def freeze(model, job, step):
+    """job["freeze"] = (step, name): set that parameter's requires_grad False from that step on."""
+    if "freeze" in job and step == job["freeze"][0]:
+        model.get_parameter(job["freeze"][1]).requires_grad_(False)
+
+
 # --- the single-process reference -------------------------------------------------------------
 def reference(job, n):
     """Plain torch: AdamW on the global batch; per-step loss, clip_grad_norm_ value, final params.
@@ -73,17 +86,21 @@ def reference(job, n):
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_() for p in params] \
         if job["precision"] == "bf16" else params
-    opt = torch.optim.AdamW(masters, lr=job.get("lr", LR), betas=BETAS, eps=EPS, weight_decay=WD)
+    # the GPT-2 / nanoGPT groups: decay 2-D weights, not biases or LayerNorm weights
+    groups = [{"params": [m for m, p in zip(masters, params) if p.dim() >= 2], "weight_decay": WD},
+              {"params": [m for m, p in zip(masters, params) if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=job.get("lr", LR), betas=BETAS, eps=EPS)
     losses, norms = [], []
     for step in range(STEPS):
-        x, y = global_batch(model, step, n * A * per)
+        freeze(model, job, step)
+        x, y = global_batch(model, step, n * A * per, trigger=trigger(job, step))
         for p in params:
             p.grad = None
         loss = model(x, y)
         loss.backward()
         if masters is not params:
             for m, p in zip(masters, params):
-                m.grad = p.grad.float()
+                m.grad = None if p.grad is None else p.grad.float()
         norm = torch.nn.utils.clip_grad_norm_(masters, job["max_norm"] if job["max_norm"] > 0
                                               else float("inf"))
         opt.step()
@@ -137,13 +154,24 @@ NANO_BF16 = dict(NANO, precision="bf16", lr=1e-3)
 FROZEN = dict(NANO, model="nano_frozen")
 TIED = dict(NANO, model="tied")
 ODD = dict(NANO, model="odd", max_norm=0.3)
+# parameters without a gradient (CondToy: blocks[i].b runs only for rows starting with token 0;
+# blocks[1].unused and `spare` never run). Rows of rank r, micro-step m: (r·A + m)·per.
+# The issue's example: 2 ranks, 2 micro-steps, b used on the first micro-step only.
+COND_MICRO = dict(NANO, model="cond", grad_accum=2, rows_per_micro=1, find_unused=True,
+                  trigger=[[0, 2]])
+# b used on rank 0 only, by no rank (its grad is None in the reference: AdamW skips it and its
+# step count), on rank 1 only, on both; blocks.0.a.weight frozen from step 2 on.
+COND_RANKS = dict(NANO, model="cond", find_unused=True, trigger=[[0], [], [3], [1, 2], []],
+                  freeze=(2, "blocks.0.a.weight"))
 
 
 @pytest.fixture(scope="module")
 def runs2():
-    """World size 2: GPT nano in fp32, fp32 with 4 micro-steps, bf16."""
-    return dict(zip(("nano", "accum", "bf16"), zip(*run_ranks(train_worker, 2, [NANO, NANO_ACCUM,
-                                                                                 NANO_BF16]))))
+    """World size 2: GPT nano in fp32, fp32 with 4 micro-steps, bf16; parameters that get no
+    gradient on some micro-steps, ranks or steps."""
+    names, jobs = ("nano", "accum", "bf16", "cond_micro", "cond_ranks"), \
+        [NANO, NANO_ACCUM, NANO_BF16, COND_MICRO, COND_RANKS]
+    return dict(zip(names, zip(*run_ranks(train_worker, 2, jobs))))
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +256,54 @@ def test_sizes_not_divisible_by_world_size_match(runs4):
     units = runs4["odd"][0][(3, None)]["units"]
     assert units == {"root": (5005 + 1, 5008), "down": (18, 20), "bias3": (3, 4),
                      "up": (4004, 4004)}
+
+
+@pytest.mark.timeout(240)
+def test_param_used_on_first_micro_step_only_matches(runs2):
+    """The issue's example: before, DDP ranks ended ~6e-3 apart and ZeRO-1 ~5e-3 off."""
+    check_fp32(COND_MICRO, runs2["cond_micro"], 2)
+
+
+@pytest.mark.timeout(240)
+def test_params_used_on_some_ranks_none_or_frozen_later_match(runs2):
+    ref = check_fp32(COND_RANKS, runs2["cond_ranks"], 2)
+    init = {k: v.detach() for k, v in make_model("cond").named_parameters()}
+    for r in runs2["cond_ranks"]:
+        for variant in VARIANTS:
+            params = r[variant]["params"]
+            for k in ("spare", "blocks.1.unused.weight", "blocks.1.unused.bias"):
+                assert torch.equal(params[k], init[k]), (variant, k)   # no decay, no update
+            assert not torch.equal(params["blocks.0.b.weight"], init["blocks.0.b.weight"])
+    assert not torch.equal(ref["params"]["blocks.0.a.weight"], init["blocks.0.a.weight"])
+
+
+def refusing_worker(rank, n):
+    """Situations a strategy refuses at once, with one line naming the parameter."""
+    from zerolab import STRATEGIES
+    from zerolab.comm import Comm
+
+    out = {}
+    for stage in range(4):
+        for case in ("unused", "unfrozen"):
+            model = make_model("cond" if case == "unused" else "nano_frozen")
+            s = STRATEGIES[stage](model, Comm(), lr=LR)
+            if case == "unfrozen":
+                model.wpe.weight.requires_grad_(True)
+            x, y = global_batch(model, 0, 2 * n, trigger=[0, 2] if case == "unused" else None)
+            try:
+                s.backward(s.forward(x[rank * 2:rank * 2 + 2], y[rank * 2:rank * 2 + 2]))
+                out[(stage, case)] = None
+            except RuntimeError as err:
+                out[(stage, case)] = str(err)
+            s.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_unused_or_late_unfrozen_parameter_fails_at_once_naming_it():
+    for rank, out in enumerate(run_ranks(refusing_worker, 2)):
+        for stage in range(4):
+            unused, unfrozen = out[(stage, "unused")], out[(stage, "unfrozen")]
+            assert unused and "\n" not in unused and "find_unused_parameters" in unused
+            assert "blocks.1.unused.weight" in unused, unused
+            assert unfrozen and "wpe.weight" in unfrozen and "\n" not in unfrozen

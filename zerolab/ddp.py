@@ -13,30 +13,40 @@ backward (+ its hooks) / step / state_tensors / full_parameters.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from .sharding import build_units, clip_grad_norm_, make_optimizer, on_grads_ready, optimizer_states
+from .optim import make_flat_optimizer
+from .sharding import (GradReady, build_units, check_all_used, check_trainable, clip_grad_norm_,
+                       fp32_grads, global_used, grad_copies, optimizer_states, write_back)
 
 
 class DDP:
     stage = 0
 
-    def __init__(self, model, comm, *, max_grad_norm=0.0, meter=None, **adamw):
+    def __init__(self, model, comm, *, max_grad_norm=0.0, find_unused_parameters=False,
+                 grad_dtype=None, meter=None, **adamw):
+        """find_unused_parameters: allow parameters that get no gradient in a step (torch DDP's
+        flag; costs one all_reduce of a flag per parameter a step). grad_dtype: dtype of the
+        gradient buffers (default: the parameters'; torch.float32 = Megatron's fp32 grads)."""
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
+        self.find_unused = find_unused_parameters
         self.units = build_units(model, comm.world_size, comm.rank)
         for u in self.units:
             # --- params: full bf16 copy on every rank ---------------------------------------
             u.param_flat = u.flatten()                          # [Ψ_u] bf16, replicated
             u.bind_params(u.param_flat)
             # --- grads: full, replicated; autograd accumulates into the bucket -------------
-            u.grad_flat = torch.zeros_like(u.param_flat)        # [Ψ_u] bf16, replicated
+            u.grad_flat = torch.zeros_like(u.param_flat, dtype=grad_dtype)  # [Ψ_u] bf16
             u.bind_grads(u.grad_flat)
             # --- optimizer state: full fp32 master (+ exp_avg, exp_avg_sq after step 1) -----
             u.master = u.param_flat.float().clone()             # [Ψ_u] fp32, replicated
-        self.optimizer = make_optimizer([u.master for u in self.units], **adamw)
+        self.optimizer = make_flat_optimizer(self.units, sharded=False, **adamw)
         self.inflight, self.sync = [], True
-        on_grads_ready(self.units, self._grads_ready)
+        self.ready = GradReady(self.units, self._grads_ready)
+        self.handles = []
 
     # --- forward: local, no communication ----------------------------------------------------
     def forward(self, x, y):
@@ -47,13 +57,16 @@ class DDP:
     def backward(self, loss, *, sync=True):
         """sync=False on micro-steps before the last (grads accumulate locally, no traffic)."""
         self.sync = sync
-        for u in self.units:
-            u.ready = 0
+        check_trainable(self.model, self.units)
+        self.ready.start()
         with self.comm.phase("backward"):
             loss.backward()
+            self.ready.finish()             # units whose params got no gradient: reduce now
             for handle in self.inflight:
                 handle.wait()
             self.inflight.clear()
+        if sync and not self.find_unused:
+            check_all_used(self.units, self.comm.rank)
         self._sample("backward done")
 
     def _grads_ready(self, u):
@@ -66,14 +79,17 @@ class DDP:
     # --- step: every rank runs the same AdamW on the full state ------------------------------
     def step(self) -> torch.Tensor:
         with self.comm.phase("step"):
-            for u in self.units:
-                u.master.grad = u.grad_flat.float()                 # [Ψ_u] fp32
+            used = global_used(self.units, self.comm) if self.find_unused else None
+            fp32_grads(self.units, [u.grad_flat for u in self.units])   # [Ψ_u] fp32 each
+            self._sample("fp32 grads")
             norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm)
-            self.optimizer.step()
+            self.optimizer.step(used)
+            self._sample("optimizer step")
             for u in self.units:
                 u.param_flat.copy_(u.master)                        # fp32 -> bf16, in place
                 u.master.grad = None
                 u.grad_flat.zero_()
+                u.used = [False] * len(u.params)
         self._sample("step done")
         return norm
 
@@ -82,11 +98,28 @@ class DDP:
         masters = [u.master for u in self.units]
         return {"params": [u.param_flat for u in self.units],
                 "grads": [u.grad_flat for u in self.units],
-                **optimizer_states(self.optimizer, masters)}
+                **optimizer_states(self.optimizer, masters),
+                "grad_fp32": grad_copies(self.units)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: fp32 copy} of every parameter, as a single-process model would have it."""
         return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank=None):
+        """Full weights in the block - always true below ZeRO-3. modifier_rank=r: on exit, rank
+        r's weights are broadcast and written into every rank's master weights (DeepSpeed's
+        GatheredParameters). Every rank must enter."""
+        yield
+        if modifier_rank is not None:
+            write_back(self, modifier_rank, sharded=False)
+
+    def close(self):
+        """Remove every hook this strategy put on the model, so that it can be freed."""
+        self.ready.close()
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
     def _sample(self, tag):
         if self.meter is not None:

@@ -14,6 +14,7 @@ for a whole forward (or backward) pass, like FSDP's root module.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,13 +30,18 @@ class FlatUnit:
     start (first element of this rank's range), offsets (element offset of each param).
     """
 
-    def __init__(self, name: str, params: list, world_size: int, rank: int, module=None):
+    def __init__(self, name: str, params: list, world_size: int, rank: int, module=None,
+                 names=None):
         self.name, self.params, self.module = name, list(params), module
+        self.names = list(names) if names is not None else [f"{name}[{i}]" for i in range(len(params))]
+        self.decay = [decays(p) for p in self.params]      # parameter groups (zerolab.optim)
+        self.used = [False] * len(self.params)  # got a gradient in some micro-step of this step
         self.numel = sum(p.numel() for p in self.params)
         self.padded_numel = math.ceil(max(self.numel, 1) / world_size) * world_size
         self.shard_numel = self.padded_numel // world_size
         self.start = rank * self.shard_numel
         self.offsets, offset = [], 0
+        self.shapes = [p.shape for p in self.params]   # kept: ZeRO-3 empties params at rest
         for p in self.params:
             self.offsets.append(offset)
             offset += p.numel()
@@ -43,7 +49,7 @@ class FlatUnit:
         self.param_flat = self.param_shard = self.grad_flat = self.grad_shard = None
         self.master = None
         self.bucket = None          # transient full-gradient buffer (ZeRO-2/3)
-        self.ready = 0              # params whose gradient has been accumulated this backward
+        self.grad_views = None      # set by bind_grads when the buffer's dtype is not the params'
 
     # --- flat <-> per-parameter views -------------------------------------------------------
     def flatten(self, tensors=None, dtype=None) -> torch.Tensor:
@@ -57,7 +63,8 @@ class FlatUnit:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of `flat` [padded_numel] shaped like each parameter (no copy)."""
-        return [flat[off:off + p.numel()].view_as(p) for p, off in zip(self.params, self.offsets)]
+        return [flat[off:off + shape.numel()].view(shape)
+                for shape, off in zip(self.shapes, self.offsets)]
 
     def bind_params(self, flat: torch.Tensor):
         """Make every parameter's data a view of `flat`, so writes to `flat` update the model."""
@@ -65,9 +72,33 @@ class FlatUnit:
             p.data = view
 
     def bind_grads(self, flat: torch.Tensor):
-        """Make every parameter's .grad a view of `flat`: autograd accumulates straight into it."""
+        """Make every parameter's .grad a view of `flat`: autograd accumulates straight into it.
+        When `flat` has another dtype than the parameters (fp32 gradients of bf16 weights,
+        `--grad-dtype fp32`), autograd cannot accumulate into it: each parameter's gradient is
+        added into its view by the post-accumulate-grad hook instead (GradReady), Megatron's
+        `main_grad`."""
+        if self.params and flat.dtype != self.params[0].dtype:
+            self.grad_views = self.views(flat)
+            for p in self.params:
+                p.grad = None
+            return
+        self.grad_views = None
         for p, view in zip(self.params, self.views(flat)):
             p.grad = view
+
+    def unbind_params(self):
+        """Point every parameter at an empty tensor (ZeRO-3 outside a gather): reading it is
+        well defined (0 elements), never a view of freed storage."""
+        empty = torch.empty(0, dtype=self.param_flat.dtype, device=self.param_flat.device)
+        for p in self.params:
+            p.data = empty
+
+    def segments(self, sharded: bool) -> list[tuple[int, int]]:
+        """(lo, hi) of each parameter inside this rank's master buffer: the whole flat buffer
+        (sharded=False, DDP) or this rank's range of it (hi <= lo: not in this shard)."""
+        base, size = (self.start, self.shard_numel) if sharded else (0, self.padded_numel)
+        return [(min(max(off - base, 0), size), min(max(off + shape.numel() - base, 0), size))
+                for shape, off in zip(self.shapes, self.offsets)]
 
     def own(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous range of `flat` [padded_numel] -> view [shard_numel]."""
@@ -89,32 +120,145 @@ def build_units(model: torch.nn.Module, world_size: int, rank: int) -> list[Flat
         for p in module.parameters():
             owners.setdefault(id(p), []).append(name)
     seen, root, per_unit = set(), [], {name: [] for name, _ in named_units}
-    for p in model.parameters():           # deduplicated: a tied weight appears once
+    for pname, p in model.named_parameters():   # deduplicated: a tied weight appears once
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
         names = owners.get(id(p), [])
-        (per_unit[names[0]] if len(names) == 1 else root).append(p)
-    units = [FlatUnit(ROOT, root, world_size, rank)] if root else []
-    units += [FlatUnit(name, per_unit[name], world_size, rank, module)
+        (per_unit[names[0]] if len(names) == 1 else root).append((pname, p))
+    units = [FlatUnit(ROOT, [p for _, p in root], world_size, rank,
+                      names=[n for n, _ in root])] if root else []
+    units += [FlatUnit(name, [p for _, p in per_unit[name]], world_size, rank, module,
+                       names=[n for n, _ in per_unit[name]])
               for name, module in named_units if per_unit[name]]
     return units
 
 
+def decays(p: torch.Tensor) -> bool:
+    """The GPT-2 / nanoGPT parameter groups: weight decay for 2-D (and larger) weights -
+    matmul weights and embeddings - none for biases and LayerNorm weights (1-D)."""
+    return p.dim() >= 2
+
+
+def check_trainable(model: torch.nn.Module, units: list[FlatUnit]):
+    """Raise RuntimeError naming a parameter that requires grad but has no flat buffer: it was
+    frozen when the strategy was built, so no strategy would ever update it (torch would)."""
+    known = {id(p) for u in units for p in u.params}
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in known:
+            raise RuntimeError(f"parameter {name} requires grad but was frozen when the strategy "
+                               "was built; set requires_grad before building the strategy")
+
+
+def check_all_used(units: list[FlatUnit], rank: int):
+    """Raise RuntimeError (one line) naming the parameters that got no gradient in this step:
+    without find_unused_parameters a strategy cannot tell whether another rank gave them one."""
+    unused = [name for u in units for name, used in zip(u.names, u.used) if not used]
+    if unused:
+        raise RuntimeError(
+            f"parameter(s) {', '.join(unused)} got no gradient in this step on rank {rank} "
+            "(unused in forward, a branch not taken, or requires_grad turned off after the "
+            "strategy was built); pass find_unused_parameters=True (--find-unused-parameters)")
+
+
+def global_used(units: list[FlatUnit], comm) -> list[list[bool]]:
+    """Which parameters got a gradient on *any* rank in this step: one all_reduce of a flag per
+    parameter (torch DDP's `local_used_map`, find_unused_parameters=True). A parameter no rank
+    used has no gradient in the single-process reference, and torch's AdamW skips it."""
+    flags = torch.tensor([float(x) for u in units for x in u.used],
+                         device=units[0].master.device if units else "cpu")
+    comm.all_reduce(flags, what="metric", unit="used_params")
+    out, i = [], 0
+    for u in units:
+        out.append([bool(f > 0) for f in flags[i:i + len(u.params)]])
+        i += len(u.params)
+    return out
+
+
+def fp32_grads(units: list[FlatUnit], grads: list[torch.Tensor]):
+    """Set each unit's `master.grad` to its gradient range in fp32: a view when the gradients
+    already are fp32, else a new fp32 copy (the "grad_fp32" transient of zerolab.memory)."""
+    for u, g in zip(units, grads):
+        u.master.grad = g if g.dtype == torch.float32 else g.float()     # [numel of master] fp32
+
+
+def grad_copies(units: list[FlatUnit]) -> list[torch.Tensor]:
+    """The fp32 gradient copies alive now (not the views that alias a gradient buffer)."""
+    bufs = {t.untyped_storage().data_ptr() for u in units
+            for t in (u.grad_flat, u.grad_shard, u.bucket) if t is not None}
+    return [u.master.grad for u in units if u.master is not None and u.master.grad is not None
+            and u.master.grad.untyped_storage().data_ptr() not in bufs]
+
+
 # --- hooks ---------------------------------------------------------------------------------
-def on_grads_ready(units: list[FlatUnit], callback):
-    """Call `callback(unit)` once every parameter of `unit` has its gradient accumulated in a
-    backward pass (a post-accumulate-grad hook per parameter). Reset `unit.ready = 0` before
-    each backward. Returns the hook handles."""
-    handles = []
-    for unit in units:
-        for p in unit.params:
-            def hook(_, unit=unit):
-                unit.ready += 1
-                if unit.ready == len(unit.params):
-                    callback(unit)
-            handles.append(p.register_post_accumulate_grad_hook(hook))
-    return handles
+class GradReady:
+    """Call `callback(unit)` once per backward for every unit, in one fixed order on every rank.
+
+    A unit is ready when each of its parameters has accumulated its gradient (a post-accumulate
+    -grad hook per parameter). Callbacks run in torch DDP's bucket order - blocks in reverse
+    forward order, the root unit last - so every rank issues its collectives in the same order
+    even when a parameter gets no gradient on some rank (unused, a branch not taken, frozen
+    later): such a unit, and the ones after it, wait for `finish()` (end of backward: every
+    unit not yet ready is taken as ready) or `flush_before(unit)` (ZeRO-3: a unit's backward
+    starts, so the units after it in forward order are done). Without this a unit's hook never
+    fires and its gradients are never reduced: ranks drift apart in silence.
+    A gradient that arrives for a unit already handed to `callback` raises RuntimeError naming
+    the parameter (it is used outside its unit's module). `close()` removes the hooks.
+    """
+
+    def __init__(self, units: list[FlatUnit], callback):
+        self.units, self.callback = units, callback
+        self.order = list(reversed(units))      # units: root first, then blocks in forward order
+        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, i))
+                        for u in units for i, p in enumerate(u.params)]
+        self.start()
+
+    def start(self):
+        """Call before each backward."""
+        self.next = 0
+        for u in self.units:
+            u.got, u.is_ready, u.reduced = [False] * len(u.params), False, False
+
+    def _on_grad(self, u, i, p):
+        if u.reduced:
+            raise RuntimeError(f"parameter {u.names[i]} got its gradient after unit {u.name} was "
+                               "reduced: it is used outside that unit's module")
+        if u.grad_views is not None and p.grad is not None:   # fp32 grads of bf16 weights
+            u.grad_views[i].add_(p.grad)
+            p.grad = None
+        u.got[i] = u.used[i] = True
+        if all(u.got):
+            u.is_ready = True
+            self._advance()
+
+    def _advance(self):
+        while self.next < len(self.order) and self.order[self.next].is_ready:
+            u = self.order[self.next]
+            self.next += 1
+            u.reduced = True
+            self.callback(u)
+
+    def flush_before(self, unit: FlatUnit):
+        """`unit`'s backward begins: every unit before it in the order is done."""
+        for u in self.order[:self.order.index(unit)]:
+            u.is_ready = True
+        self._advance()
+
+    def finish(self):
+        """End of backward: units whose parameters got no gradient are ready too."""
+        for u in self.order:
+            u.is_ready = True
+        self._advance()
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def on_grads_ready(units: list[FlatUnit], callback) -> GradReady:
+    """`GradReady(units, callback)`: callback(unit) once per backward per unit, in one order."""
+    return GradReady(units, callback)
 
 
 def on_pre_backward(module: torch.nn.Module, callback):
@@ -161,8 +305,8 @@ def clip_grad_norm_(masters: list[torch.Tensor], max_norm: float, comm=None) -> 
     torch.nn.utils.clip_grad_norm_ (coef = max_norm / (norm + 1e-6), capped at 1). max_norm <= 0
     only measures. Returns the norm (fp32 scalar tensor), equal on every rank."""
     sq = torch.zeros((), dtype=torch.float32, device=masters[0].device)
-    for m in masters:
-        sq += m.grad.float().pow(2).sum()
+    for m in masters:               # no [Ψ_u] temporary: vector_norm reduces in place
+        sq += torch.linalg.vector_norm(m.grad, dtype=torch.float32).square()
     if comm is not None:
         comm.all_reduce(sq, what="metric", unit="grad_norm")
     norm = sq.sqrt()
@@ -193,3 +337,17 @@ def optimizer_states(optimizer, masters) -> dict[str, list[torch.Tensor]]:
     return {"master_weights": list(masters),
             "exp_avg": [s["exp_avg"] for s in state if "exp_avg" in s],
             "exp_avg_sq": [s["exp_avg_sq"] for s in state if "exp_avg_sq" in s]}
+
+
+def write_back(strategy, modifier_rank: int, sharded: bool):
+    """After a `gathered(modifier_rank=r)` block: broadcast rank r's full weights of every unit
+    and write this rank's part of them into its master weights (and, ZeRO-3, its bf16 shard).
+    Only elements that changed reach the fp32 master (untouched ones keep their low bits)."""
+    with strategy.comm.phase("eval"):
+        for u in strategy.units:
+            strategy.comm.broadcast(u.param_flat, modifier_rank, what="params", unit=u.name)
+            own = u.own(u.param_flat) if sharded else u.param_flat
+            changed = own != u.master.to(own.dtype)
+            u.master[changed] = own[changed].float()
+            if u.param_shard is not None:
+                u.param_shard.copy_(own)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import sys
@@ -53,11 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="global batch (rows), all ranks")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--precision", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--grad-dtype", default=None, choices=sorted(DTYPES),
+                   help="gradient buffers' dtype (default: --precision); fp32 with bf16 weights "
+                        "is Megatron's / DeepSpeed's 18 bytes per parameter")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="allow parameters that get no gradient in a step (torch DDP's flag)")
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
     p.add_argument("--zero3-prefetch", action="store_true",
                    help="ZeRO-3: gather the next block while the current one computes")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of 2-D weights (biases and LayerNorm: none)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0: no clipping")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text file (default: Python stdlib sources)")
@@ -102,7 +109,9 @@ def check_args(args, world_size: int):
 
 def make_strategy(stage, model, comm, args, meter):
     kwargs = dict(max_grad_norm=args.max_grad_norm, meter=meter, lr=args.lr,
-                  weight_decay=args.weight_decay)
+                  weight_decay=args.weight_decay,
+                  find_unused_parameters=getattr(args, "find_unused_parameters", False),
+                  grad_dtype=DTYPES[args.grad_dtype] if getattr(args, "grad_dtype", None) else None)
     if stage == 1:
         kwargs["grad_op"] = args.zero1_grad_op
     if stage == 3:
@@ -183,6 +192,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             path = Path(args.out) / f"stage{stage}" / "params.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({k: v.cpu() for k, v in params.items()}, path)
+    strategy.close()                # its hooks would keep it (and every buffer) alive
     last = args.steps - 1
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
     return {
@@ -230,11 +240,27 @@ def setup(args):
     return Comm(), device
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it: bind to port 0)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def release(device):
+    """Between stages: collect the finished stage's strategy, model and buffers (its hooks were
+    removed by strategy.close(), so nothing keeps them alive) and give CUDA's cached blocks back."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:     # plain `python -m zerolab.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
     try:
         cfg = check_args(args, world_size)
@@ -248,6 +274,7 @@ def main(argv=None) -> int:
         results = []
         for stage in args.stage_list:
             result = run_stage(stage, args, comm, device, train_tokens, val_tokens)
+            release(device)
             out = Path(args.out) / f"stage{stage}"
             out.mkdir(parents=True, exist_ok=True)
             (out / f"rank{comm.rank}.json").write_text(json.dumps(result, indent=1))

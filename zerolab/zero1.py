@@ -15,34 +15,40 @@ backward (+ its hooks) / step / state_tensors / full_parameters.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from .sharding import build_units, clip_grad_norm_, make_optimizer, on_grads_ready, optimizer_states
+from .optim import make_flat_optimizer
+from .sharding import (GradReady, build_units, check_all_used, check_trainable, clip_grad_norm_,
+                       fp32_grads, global_used, grad_copies, optimizer_states, write_back)
 
 
 class ZeRO1:
     stage = 1
 
-    def __init__(self, model, comm, *, grad_op="all_reduce", max_grad_norm=0.0, meter=None,
-                 **adamw):
+    def __init__(self, model, comm, *, grad_op="all_reduce", max_grad_norm=0.0,
+                 find_unused_parameters=False, grad_dtype=None, meter=None, **adamw):
         if grad_op not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"grad_op {grad_op!r} is not one of 'all_reduce', 'reduce_scatter'")
         self.grad_op = grad_op
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
+        self.find_unused = find_unused_parameters
         self.units = build_units(model, comm.world_size, comm.rank)
         for u in self.units:
             # --- params: full bf16 copy on every rank ---------------------------------------
             u.param_flat = u.flatten()                          # [Ψ_u] bf16, replicated
             u.bind_params(u.param_flat)
             # --- grads: full, replicated; autograd accumulates into the bucket -------------
-            u.grad_flat = torch.zeros_like(u.param_flat)        # [Ψ_u] bf16, replicated
+            u.grad_flat = torch.zeros_like(u.param_flat, dtype=grad_dtype)  # [Ψ_u] bf16
             u.bind_grads(u.grad_flat)
             # --- optimizer state: this rank's range only -----------------------------------
             u.master = u.own(u.param_flat).float().clone()      # [Ψ_u/N] fp32 master shard
-        self.optimizer = make_optimizer([u.master for u in self.units], **adamw)
+        self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
         self.inflight, self.sync = [], True
-        on_grads_ready(self.units, self._grads_ready)
+        self.ready = GradReady(self.units, self._grads_ready)
+        self.handles = []
 
     # --- forward: local, no communication ----------------------------------------------------
     def forward(self, x, y):
@@ -53,13 +59,16 @@ class ZeRO1:
     def backward(self, loss, *, sync=True):
         """sync=False on micro-steps before the last (grads accumulate locally, no traffic)."""
         self.sync = sync
-        for u in self.units:
-            u.ready = 0
+        check_trainable(self.model, self.units)
+        self.ready.start()
         with self.comm.phase("backward"):
             loss.backward()
+            self.ready.finish()             # units whose params got no gradient: reduce now
             for handle in self.inflight:
                 handle.wait()
             self.inflight.clear()
+        if sync and not self.find_unused:
+            check_all_used(self.units, self.comm.rank)
         self._sample("backward done")
 
     def _grads_ready(self, u):
@@ -78,10 +87,12 @@ class ZeRO1:
     # --- step: update the owned range, then all_gather every rank's range ---------------------
     def step(self) -> torch.Tensor:
         with self.comm.phase("step"):
-            for u in self.units:
-                u.master.grad = u.own(u.grad_flat).float()          # [Ψ_u/N] fp32
+            used = global_used(self.units, self.comm) if self.find_unused else None
+            fp32_grads(self.units, [u.own(u.grad_flat) for u in self.units])  # [Ψ_u/N] fp32
+            self._sample("fp32 grads")
             norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm, self.comm)
-            self.optimizer.step()
+            self.optimizer.step(used)
+            self._sample("optimizer step")
             handles = []
             for u in self.units:
                 u.own(u.param_flat).copy_(u.master)                 # fp32 -> bf16, own range
@@ -89,6 +100,7 @@ class ZeRO1:
                                                     what="params", unit=u.name, async_op=True))
                 u.master.grad = None
                 u.grad_flat.zero_()
+                u.used = [False] * len(u.params)
             for handle in handles:
                 handle.wait()
         self._sample("step done")
@@ -99,11 +111,28 @@ class ZeRO1:
         masters = [u.master for u in self.units]
         return {"params": [u.param_flat for u in self.units],
                 "grads": [u.grad_flat for u in self.units],
-                **optimizer_states(self.optimizer, masters)}
+                **optimizer_states(self.optimizer, masters),
+                "grad_fp32": grad_copies(self.units)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: fp32 copy} of every parameter, as a single-process model would have it."""
         return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank=None):
+        """Full weights in the block - always true below ZeRO-3. modifier_rank=r: on exit, rank
+        r's weights are broadcast and written into every rank's master shard (DeepSpeed's
+        GatheredParameters). Every rank must enter."""
+        yield
+        if modifier_rank is not None:
+            write_back(self, modifier_rank, sharded=True)
+
+    def close(self):
+        """Remove every hook this strategy put on the model, so that it can be freed."""
+        self.ready.close()
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
     def _sample(self, tag):
         if self.meter is not None:

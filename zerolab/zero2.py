@@ -15,33 +15,40 @@ backward (+ its hooks) / step / state_tensors / full_parameters.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from .sharding import (build_units, clip_grad_norm_, make_optimizer, on_grads_ready,
-                       on_pre_backward, optimizer_states)
+from .optim import make_flat_optimizer
+from .sharding import (GradReady, build_units, check_all_used, check_trainable, clip_grad_norm_,
+                       fp32_grads, global_used, grad_copies, on_pre_backward, optimizer_states,
+                       write_back)
 
 
 class ZeRO2:
     stage = 2
 
-    def __init__(self, model, comm, *, max_grad_norm=0.0, meter=None, **adamw):
+    def __init__(self, model, comm, *, max_grad_norm=0.0, find_unused_parameters=False,
+                 grad_dtype=None, meter=None, **adamw):
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
+        self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
+        self.handles = []
         self.units = build_units(model, comm.world_size, comm.rank)
         for u in self.units:
             # --- params: full bf16 copy on every rank ---------------------------------------
             u.param_flat = u.flatten()                          # [Ψ_u] bf16, replicated
             u.bind_params(u.param_flat)
             # --- grads: only this rank's range, averaged; full grads live in a bucket -------
-            u.grad_shard = torch.zeros(u.shard_numel, dtype=u.param_flat.dtype,
+            u.grad_shard = torch.zeros(u.shard_numel, dtype=grad_dtype or u.param_flat.dtype,
                                        device=u.param_flat.device)   # [Ψ_u/N] bf16
             # --- optimizer state: this rank's range only -----------------------------------
             u.master = u.own(u.param_flat).float().clone()      # [Ψ_u/N] fp32 master shard
             if u.module is not None:
-                on_pre_backward(u.module, lambda u=u: self._open_bucket(u))
-        self.optimizer = make_optimizer([u.master for u in self.units], **adamw)
+                self.handles.append(on_pre_backward(u.module, lambda u=u: self._open_bucket(u)))
+        self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
         self.inflight = []
-        on_grads_ready(self.units, self._grads_ready)
+        self.ready = GradReady(self.units, self._grads_ready)
 
     # --- forward: local, no communication ----------------------------------------------------
     def forward(self, x, y):
@@ -50,26 +57,29 @@ class ZeRO2:
 
     # --- backward: reduce_scatter each bucket as soon as its grads are ready, then free it ---
     def backward(self, loss, *, sync=True):
-        """Every micro-step is reduce-scattered (sync is accepted for a common signature)."""
+        """Every micro-step is reduce-scattered (sync: last micro-step of the optimizer step)."""
+        check_trainable(self.model, self.units)
+        self.ready.start()
         for u in self.units:
-            u.ready = 0
             if u.module is None:            # the root unit has no output to hook: open now
                 self._open_bucket(u)
         with self.comm.phase("backward"):
             loss.backward()
-            for u in self.units:            # a unit whose params got no gradient still syncs
-                if u.bucket is not None and u.ready < len(u.params):
-                    self._grads_ready(u)
+            self.ready.finish()             # units whose params got no gradient: reduce now
             while self.inflight:
                 self.inflight.pop(0).wait()
+        if sync and not self.find_unused:
+            check_all_used(self.units, self.comm.rank)
         self._sample("backward done")
 
     def _open_bucket(self, u):
-        u.bucket = torch.zeros_like(u.param_flat)              # [Ψ_u] bf16, transient
+        u.bucket = torch.zeros_like(u.param_flat, dtype=self.grad_dtype)  # [Ψ_u] bf16, transient
         u.bind_grads(u.bucket)
         self._sample(f"bucket {u.name}")
 
     def _grads_ready(self, u):
+        if u.bucket is None:                # its backward never ran here: reduce zeros
+            self._open_bucket(u)
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
         out = torch.empty_like(u.grad_shard)                   # [Ψ_u/N] bf16
@@ -78,7 +88,7 @@ class ZeRO2:
 
         def done(u=u, out=out):
             u.grad_shard.add_(out.div_(self.n))                # accumulate the averaged shard
-            u.bucket = None                                    # free the full-gradient bucket
+            u.bucket = u.grad_views = None                     # free the full-gradient bucket
             for p in u.params:
                 p.grad = None
         handle.on_done = done
@@ -88,10 +98,12 @@ class ZeRO2:
     # --- step: update the owned range, then all_gather every rank's range ---------------------
     def step(self) -> torch.Tensor:
         with self.comm.phase("step"):
-            for u in self.units:
-                u.master.grad = u.grad_shard.float()                # [Ψ_u/N] fp32
+            used = global_used(self.units, self.comm) if self.find_unused else None
+            fp32_grads(self.units, [u.grad_shard for u in self.units])       # [Ψ_u/N] fp32
+            self._sample("fp32 grads")
             norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm, self.comm)
-            self.optimizer.step()
+            self.optimizer.step(used)
+            self._sample("optimizer step")
             handles = []
             for u in self.units:
                 u.own(u.param_flat).copy_(u.master)                 # fp32 -> bf16, own range
@@ -99,6 +111,7 @@ class ZeRO2:
                                                     what="params", unit=u.name, async_op=True))
                 u.master.grad = None
                 u.grad_shard.zero_()
+                u.used = [False] * len(u.params)
             for handle in handles:
                 handle.wait()
         self._sample("step done")
@@ -111,11 +124,28 @@ class ZeRO2:
                 "grads": [u.grad_shard for u in self.units],
                 "grad_buckets": [u.bucket for u in self.units] + [p.grad for u in self.units
                                                                   for p in u.params],
-                **optimizer_states(self.optimizer, masters)}
+                **optimizer_states(self.optimizer, masters),
+                "grad_fp32": grad_copies(self.units)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: fp32 copy} of every parameter, as a single-process model would have it."""
         return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank=None):
+        """Full weights in the block - always true below ZeRO-3. modifier_rank=r: on exit, rank
+        r's weights are broadcast and written into every rank's master shard (DeepSpeed's
+        GatheredParameters). Every rank must enter."""
+        yield
+        if modifier_rank is not None:
+            write_back(self, modifier_rank, sharded=True)
+
+    def close(self):
+        """Remove every hook this strategy put on the model, so that it can be freed."""
+        self.ready.close()
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
     def _sample(self, tag):
         if self.meter is not None:

@@ -16,49 +16,64 @@ backward (+ its hooks) / step / state_tensors / full_parameters.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from .sharding import (alloc_storage, build_units, clip_grad_norm_, free_storage, make_optimizer,
-                       on_grads_ready, on_pre_backward, optimizer_states)
+from .optim import make_flat_optimizer
+from .sharding import (GradReady, alloc_storage, build_units, check_all_used, check_trainable,
+                       clip_grad_norm_, fp32_grads, free_storage, global_used, grad_copies,
+                       on_pre_backward, optimizer_states, write_back)
 
 
 class ZeRO3:
     stage = 3
 
-    def __init__(self, model, comm, *, prefetch=False, max_grad_norm=0.0, meter=None, **adamw):
+    def __init__(self, model, comm, *, prefetch=False, max_grad_norm=0.0,
+                 find_unused_parameters=False, grad_dtype=None, meter=None, **adamw):
         """prefetch=True issues the next block's all_gather (forward order in forward, reverse
         in backward) as soon as the current block is gathered, so it can overlap the current
-        block's compute; the price is a second gathered block in memory."""
+        block's compute; the price is a second gathered block in memory.
+        Outside forward / backward a parameter is an empty tensor (0 elements), never a view of
+        freed memory; read or change full weights inside `with strategy.gathered():`."""
         self.model, self.comm, self.meter, self.prefetch = model, comm, meter, prefetch
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
+        self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
+        self.handles, self.pinned = [], False
         self.units = build_units(model, comm.world_size, comm.rank)
         for u in self.units:
             # --- params: this rank's range; the full buffer exists only while gathered -----
             u.param_flat = u.flatten()                          # [Ψ_u] bf16, transient
             u.param_shard = u.own(u.param_flat).clone()         # [Ψ_u/N] bf16, resident
-            u.bind_params(u.param_flat)
+            u.unbind_params()
             free_storage(u.param_flat)
             # --- grads: only this rank's range, averaged; full grads live in a bucket -------
-            u.grad_shard = torch.zeros_like(u.param_shard)      # [Ψ_u/N] bf16
+            u.grad_shard = torch.zeros_like(u.param_shard, dtype=grad_dtype)   # [Ψ_u/N] bf16
             # --- optimizer state: this rank's range only -----------------------------------
             u.master = u.param_shard.float().clone()            # [Ψ_u/N] fp32 master shard
             if u.module is not None:
-                u.module.register_forward_pre_hook(lambda *_, u=u: self._gather(u))
-                u.module.register_forward_hook(lambda *_, u=u: self._free(u))
-                on_pre_backward(u.module, lambda u=u: (self._gather(u), self._open_bucket(u)))
-        self.optimizer = make_optimizer([u.master for u in self.units], **adamw)
+                self.handles += [
+                    u.module.register_forward_pre_hook(lambda *_, u=u: self._gather(u)),
+                    u.module.register_forward_hook(lambda *_, u=u: self._free(u)),
+                    on_pre_backward(u.module, lambda u=u: self._pre_backward(u))]
+        self.handles += [m.register_state_dict_pre_hook(self._check_gathered)
+                         for m in (model, *(u.module for u in self.units if u.module is not None))]
+        self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
         self.inflight = []
         self.root = [u for u in self.units if u.module is None]
         self.blocks = [u for u in self.units if u.module is not None]     # forward order
         self.prefetched = {}                # unit name -> all_gather issued ahead of use
-        on_grads_ready(self.units, self._grads_ready)
+        self.ready = GradReady(self.units, self._grads_ready)
 
     def _gather(self, u):
+        if self.pinned:                     # inside gathered(): everything is already here
+            return
         if u.name in self.prefetched:       # issued earlier: just wait for it
             self.prefetched.pop(u.name).wait()
         else:
             alloc_storage(u.param_flat)
             self.comm.all_gather(u.param_flat, u.param_shard, what="params", unit=u.name)
+        u.bind_params(u.param_flat)
         self._sample(f"all_gather {u.name}")
         if self.prefetch and u in self.blocks:
             i = self.blocks.index(u) + (-1 if self.comm.current_phase == "backward" else 1)
@@ -69,6 +84,9 @@ class ZeRO3:
                     nxt.param_flat, nxt.param_shard, what="params", unit=nxt.name, async_op=True)
 
     def _free(self, u):
+        if self.pinned:
+            return
+        u.unbind_params()
         free_storage(u.param_flat)
         self._sample(f"free {u.name}")
 
@@ -84,27 +102,34 @@ class ZeRO3:
 
     # --- backward: gather again, reduce_scatter each bucket, free params and bucket ----------
     def backward(self, loss, *, sync=True):
-        """Every micro-step is reduce-scattered (sync is accepted for a common signature)."""
-        for u in self.units:
-            u.ready = 0
+        """Every micro-step is reduce-scattered (sync: last micro-step of the optimizer step)."""
+        check_trainable(self.model, self.units)
+        self.ready.start()
         with self.comm.phase("backward"):
             for u in self.root:
                 self._gather(u)
                 self._open_bucket(u)
             loss.backward()
-            for u in self.units:            # a unit whose params got no gradient still syncs
-                if u.bucket is not None and u.ready < len(u.params):
-                    self._grads_ready(u)
+            self.ready.finish()             # units whose params got no gradient: reduce now
             while self.inflight:
                 self.inflight.pop(0).wait()
+        if sync and not self.find_unused:
+            check_all_used(self.units, self.comm.rank)
         self._sample("backward done")
 
+    def _pre_backward(self, u):
+        self.ready.flush_before(u)          # the units after u in forward order are done
+        self._gather(u)
+        self._open_bucket(u)
+
     def _open_bucket(self, u):
-        u.bucket = torch.zeros_like(u.param_flat)              # [Ψ_u] bf16, transient
+        u.bucket = torch.zeros_like(u.param_flat, dtype=self.grad_dtype)  # [Ψ_u] bf16, transient
         u.bind_grads(u.bucket)
         self._sample(f"bucket {u.name}")
 
     def _grads_ready(self, u):
+        if u.bucket is None:                # its backward never ran here: reduce zeros
+            self._open_bucket(u)
         self._free(u)                       # this block's backward is done with its weights
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
@@ -114,7 +139,7 @@ class ZeRO3:
 
         def done(u=u, out=out):
             u.grad_shard.add_(out.div_(self.n))                # accumulate the averaged shard
-            u.bucket = None                                    # free the full-gradient bucket
+            u.bucket = u.grad_views = None                     # free the full-gradient bucket
             for p in u.params:
                 p.grad = None
         handle.on_done = done
@@ -124,14 +149,17 @@ class ZeRO3:
     # --- step: update the owned range; nothing to gather, nobody keeps full weights -----------
     def step(self) -> torch.Tensor:
         with self.comm.phase("step"):
-            for u in self.units:
-                u.master.grad = u.grad_shard.float()                # [Ψ_u/N] fp32
+            used = global_used(self.units, self.comm) if self.find_unused else None
+            fp32_grads(self.units, [u.grad_shard for u in self.units])       # [Ψ_u/N] fp32
+            self._sample("fp32 grads")
             norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm, self.comm)
-            self.optimizer.step()
+            self.optimizer.step(used)
+            self._sample("optimizer step")
             for u in self.units:
                 u.param_shard.copy_(u.master)                       # fp32 -> bf16, own range
                 u.master.grad = None
                 u.grad_shard.zero_()
+                u.used = [False] * len(u.params)
         self._sample("step done")
         return norm
 
@@ -143,17 +171,46 @@ class ZeRO3:
                 "gathered_params": [u.param_flat for u in self.units],
                 "grad_buckets": [u.bucket for u in self.units] + [p.grad for u in self.units
                                                                   for p in u.params],
-                **optimizer_states(self.optimizer, masters)}
+                **optimizer_states(self.optimizer, masters),
+                "grad_fp32": grad_copies(self.units)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: fp32 copy} of every parameter, gathered (ledger phase "eval")."""
+        with self.gathered():
+            return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank=None):
+        """Full weights of every unit inside the block (one all_gather per unit, ledger phase
+        "eval"; every rank must enter): read them, `model.state_dict()`, run an eval forward.
+        modifier_rank=r: on exit, rank r's weights are broadcast and written into every rank's
+        bf16 and fp32 master shards (DeepSpeed's GatheredParameters; FSDP2's unshard)."""
+        if self.pinned:
+            raise RuntimeError("strategy.gathered() blocks do not nest")
         with self.comm.phase("eval"):
             for u in self.units:
                 self._gather(u)
-            out = {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+        self.pinned = True
+        try:
+            yield
+            if modifier_rank is not None:
+                write_back(self, modifier_rank, sharded=True)
+        finally:
+            self.pinned = False
             for u in self.units:
                 self._free(u)
-        return out
+
+    def _check_gathered(self, module, prefix, keep_vars):
+        if not self.pinned:
+            raise RuntimeError("ZeRO-3 holds only shards of the weights: call state_dict() "
+                               "inside `with strategy.gathered():` (on every rank)")
+
+    def close(self):
+        """Remove every hook this strategy put on the model, so that it can be freed."""
+        self.ready.close()
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
     def _sample(self, tag):
         if self.meter is not None:
