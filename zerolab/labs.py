@@ -510,25 +510,27 @@ def run_labs(args) -> int:
     runs even when one fails; returns 1 when any failed, else 0.
     """
     from .launch import LaunchError, run
+    from .nb import own_kernel
     out = Path(args.out).resolve()
     books = lab_notebooks(only=args.only)
     overrides = _parse_overrides(args.parameter)
     _check_overrides(overrides)
     out.mkdir(parents=True, exist_ok=True)
+    kernel, env = own_kernel(out / ".jupyter")     # this interpreter, whatever kernelspecs exist
     results = []
     t_all = time.perf_counter()
     for book in books:
         lab_out = out / book.stem
         cmd = [sys.executable, "-m", "papermill", str(book), str(out / book.name),
                "--cwd", str(book.parent), "-p", "out", str(lab_out), "--log-output",
-               "--no-progress-bar"]
+               "--no-progress-bar", "-k", kernel]
         for name, value in overrides:           # YAML: 4 -> int, [1, 2] -> list, tiny -> text
             cmd += ["-y", f"{name}: {value}"]
         print(f"zerolab labs: {book.stem} ...", flush=True)
         t0 = time.perf_counter()
         status, error = "ok", ""
         try:
-            run(cmd, timeout=args.timeout, echo=_lab_echo)
+            run(cmd, timeout=args.timeout, echo=_lab_echo, env=env)
         except LaunchError as err:
             status, error = "FAILED", _error_text(err)
         seconds = time.perf_counter() - t0

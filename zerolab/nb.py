@@ -13,6 +13,10 @@ timeout or interrupt.
 from __future__ import annotations
 
 import inspect
+import json
+import os
+import sys
+from pathlib import Path
 
 from .launch import resolve, run_torchrun
 from .report import load_run
@@ -56,3 +60,24 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
 def launch_module(module: str, args: list[str], *, nproc: int, timeout=300, echo=print) -> str:
     """Run any torchrun program (e.g. "zerolab.demos.collectives") on `nproc` local CPU ranks."""
     return run_torchrun(list(args), nproc, module=module, timeout=timeout, echo=echo)
+
+
+KERNEL_NAME = "zerolab-python"
+
+
+def own_kernel(folder) -> tuple[str, dict]:
+    """A Jupyter kernelspec for this very interpreter (sys.executable), so that a notebook runs
+    where zerolab is installed whatever `python3` kernelspecs the machine has.
+
+    Writes FOLDER/kernels/zerolab-python/kernel.json and returns (kernel name, environment):
+    the environment is os.environ with FOLDER first on JUPYTER_PATH. Give both to papermill
+    (`-k NAME`, run with that environment); nbval gets the same from `--nbval-current-env`.
+    """
+    spec = Path(folder) / "kernels" / KERNEL_NAME
+    spec.mkdir(parents=True, exist_ok=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"zerolab ({sys.executable})", "language": "python"}))
+    path = os.pathsep.join(p for p in (str(Path(folder).resolve()),
+                                       os.environ.get("JUPYTER_PATH")) if p)
+    return KERNEL_NAME, {**os.environ, "JUPYTER_PATH": path}

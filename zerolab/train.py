@@ -248,6 +248,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port) -> bool:
+    """True when `port` (a number or its text) can be bound on 127.0.0.1 now."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", int(port)))
+        except (OSError, ValueError, OverflowError):
+            return False
+    return True
+
+
 def release(device):
     """Between stages: collect the finished stage's strategy, model and buffers (its hooks were
     removed by strategy.close(), so nothing keeps them alive) and give CUDA's cached blocks back."""
@@ -259,8 +270,13 @@ def release(device):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:     # plain `python -m zerolab.train`: a world of one
+        port = os.environ.get("MASTER_PORT")
+        if port and not port_is_free(port):
+            print(f"zerolab.train: error: MASTER_PORT {port} is taken; set another or unset "
+                  "MASTER_PORT to let zerolab pick a free one", file=sys.stderr)
+            return 2
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+                          MASTER_PORT=port or str(free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
     try:
         cfg = check_args(args, world_size)
