@@ -21,7 +21,8 @@ from .launch import LaunchError, resolve, run_torchrun
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
-               "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout")
+               "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout", "weight_decay",
+               "grad_dtype")
 
 
 def _positive_float(text):
@@ -51,6 +52,12 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS,
                    help="ZeRO-1 gradient path: the notes' all_reduce, or reduce_scatter")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of 2-D weights (biases, LayerNorm: none; nanoGPT)")
+    p.add_argument("--grad-dtype", default=None, choices=("bf16", "fp32"),
+                   help="gradient dtype (default: --precision); fp32: 18 bytes/param")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="allow parameters that get no gradient in a step (torch DDP's flag)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="global clipping; <= 0: none")
     p.add_argument("--seed", type=int, default=0, help="model init and batch sampling")
     p.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
@@ -74,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--world-size", type=int, default=64, help="data-parallel ranks N")
     mem.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     mem.add_argument("--optimizer-bytes", type=float, default=None, help="K (default 12)")
+    mem.add_argument("--grad-dtype", default=None, choices=("bf16", "fp32"),
+                     help="gradient dtype (default: --precision); fp32: 18 bytes/param")
 
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
     _add_launch_args(train, "0", 2, "tiny", 5)
@@ -94,12 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_memory(args) -> int:
     theory.check_world_size(args.world_size)
-    print(theory.format_memory_table(args.params, args.world_size, args.precision, args.optimizer_bytes))
+    print(theory.format_memory_table(args.params, args.world_size, args.precision, args.optimizer_bytes,
+                                     grad_dtype=args.grad_dtype))
+    print("\nalive inside the optimizer step (resident + fp32 gradient copies), GB")
+    print(theory.format_step_peaks(args.params, args.world_size, args.precision, args.grad_dtype))
     print(f"\nbytes sent per rank per step (ring algorithm, {args.precision} grads/params), GB")
     for stage in theory.STAGES:
         variants = ("all_reduce", "reduce_scatter") if stage == 1 else ("all_reduce",)
         for op in variants:
-            t = theory.traffic_bytes(args.params, args.world_size, stage, args.precision, op)
+            t = theory.traffic_bytes(args.params, args.world_size, stage, args.precision, op,
+                                     grad_dtype=args.grad_dtype)
             label = theory.STAGE_NAMES[stage] + (f" ({op})" if stage == 1 else "")
             parts = ", ".join(f"{k} {v / 1e9:.4g}" for k, v in t.items() if v)
             print(f"  {label:<26} {sum(t.values()) / 1e9:>9.4g}   = {parts or 'none'}")
@@ -112,7 +125,8 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch")
+    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
+                                                        "find_unused_parameters")
              if getattr(args, flag)]
     return argv
 

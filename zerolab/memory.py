@@ -9,8 +9,13 @@ independent figure comes from the allocator: `torch.cuda.max_memory_allocated` o
 temporaries the meter does not.
 
 Categories (bytes): params, grads, master_weights, exp_avg, exp_avg_sq (the five model states of
-`theory.STATES`), plus gathered_params (ZeRO-3's full blocks while gathered) and grad_buckets
-(ZeRO-2/3's full-gradient buckets while in flight).
+`theory.STATES`), plus the transients that live only inside a step: gathered_params (ZeRO-3's
+full blocks while gathered), grad_buckets (ZeRO-2/3's full-gradient buckets and their
+reduce-scatter outputs while in flight) and grad_fp32 (the fp32 gradient copies that AdamW reads
+inside the optimizer step when gradients are bf16: `theory.grad_copy_bytes`). The strategies
+sample inside the step too (after the fp32 copies, after the update), so the peak of the step
+(`peak_by_phase["step"]`) is `theory.peak_step_bytes`. Not categorised: AdamW's per-parameter
+temporaries (one parameter's worth at a time), gradient-norm scalars, the loss all_reduce's scalar.
 """
 from __future__ import annotations
 
@@ -23,16 +28,18 @@ import torch
 from . import theory
 from .sharding import storage_bytes
 
-TRANSIENT = ("grad_buckets", "gathered_params")   # come and go within a step
+TRANSIENT = ("grad_buckets", "gathered_params", "grad_fp32")   # come and go within a step
 
 
 class MemoryMeter:
-    """Samples a strategy's tensors by category. `timeline` rows: (tag, seconds, {cat: bytes})."""
+    """Samples a strategy's tensors by category. `timeline` rows: (tag, seconds, {cat: bytes});
+    `peak_by_phase`: {phase of the strategy's comm (forward / backward / step ...): peak total}."""
 
     def __init__(self, record_timeline: bool = False):
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self.peak_total = 0
+        self.peak_by_phase: dict[str, int] = {}
         self.timeline: list[tuple[str, float, dict]] = []
         self.record_timeline = record_timeline
         self.t0 = time.perf_counter()
@@ -42,17 +49,22 @@ class MemoryMeter:
         self.current = {cat: storage_bytes(ts) for cat, ts in strategy.state_tensors().items()}
         for cat, b in self.current.items():
             self.peak[cat] = max(self.peak.get(cat, 0), b)
-        self.peak_total = max(self.peak_total, sum(self.current.values()))
+        total = sum(self.current.values())
+        self.peak_total = max(self.peak_total, total)
+        phase = getattr(getattr(strategy, "comm", None), "current_phase", "setup")
+        self.peak_by_phase[phase] = max(self.peak_by_phase.get(phase, 0), total)
         if self.record_timeline:
             self.timeline.append((tag, time.perf_counter() - self.t0, dict(self.current)))
 
     def reset_peaks(self):
         """Start a new window for peaks (and the timeline)."""
         self.peak, self.peak_total, self.timeline = dict(self.current), sum(self.current.values()), []
+        self.peak_by_phase = {}
         self.t0 = time.perf_counter()
 
     def to_json(self) -> dict:
         return {"current": dict(self.current), "peak": dict(self.peak), "peak_total": self.peak_total,
+                "peak_by_phase": dict(self.peak_by_phase),
                 "timeline": [{"tag": t, "t": s, **c} for t, s, c in self.timeline]}
 
 
@@ -103,12 +115,12 @@ def cuda_memory_history(path: Path):
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def padding_bytes(units, stage: int, precision: str = "bf16") -> dict[str, int]:
+def padding_bytes(units, stage: int, precision: str = "bf16", grad_dtype=None) -> dict[str, int]:
     """Bytes of padding this rank holds inside each model state: the zeros that round every unit
     up to a multiple of N. Replicated buffers carry (padded_numel - numel) of them, shards only
     the part of the padding that falls in this rank's range (the last ranks). Included in the
     measured bytes; `theory.model_state_bytes` at the padded Ψ counts them too."""
-    per = theory.bytes_per_param(precision)
+    per = theory.bytes_per_param(precision, grad_dtype)
     return {state: sum((u.padding_in_shard() if theory.is_sharded(state, stage)
                         else u.padded_numel - u.numel) * per[state] for u in units)
             for state in theory.STATES}

@@ -50,6 +50,7 @@ class FlatUnit:
         self.master = None
         self.bucket = None          # transient full-gradient buffer (ZeRO-2/3)
         self.grad_views = None      # set by bind_grads when the buffer's dtype is not the params'
+        self.rs_out = None          # a reduce_scatter's output while in flight (ZeRO-2/3)
 
     # --- flat <-> per-parameter views -------------------------------------------------------
     def flatten(self, tensors=None, dtype=None) -> torch.Tensor:

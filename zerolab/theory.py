@@ -57,34 +57,44 @@ def is_sharded(state: str, stage: int) -> bool:
     return check_stage(stage) >= SHARDED_FROM_STAGE[state]
 
 
-def bytes_per_param(precision: str = "bf16") -> dict[str, int]:
+def bytes_per_param(precision: str = "bf16", grad_dtype: str | None = None) -> dict[str, int]:
     """Bytes per parameter of each state: 2+2+4+4+4 for "bf16", 4+4+4+4+4 for "fp32".
 
     In "fp32" mode zerolab still keeps a separate fp32 master copy, so that every stage runs the
     same code path as in bf16 (the exact-equivalence tests use this mode).
-    Raises ValueError for any other precision.
+    grad_dtype: the gradients' own dtype when it is not the weights' ("fp32" with bf16 weights:
+    2+4+4+4+4 = 18 bytes, the fp32 gradient accumulation / reduction of Megatron and DeepSpeed).
+    Raises ValueError for any other precision or grad_dtype.
     """
     if precision == "bf16":
-        return dict(BYTES_PER_PARAM)
-    if precision == "fp32":
-        return {state: 4 for state in STATES}
-    raise ValueError(f"precision {precision!r} is not one of 'bf16', 'fp32'")
+        out = dict(BYTES_PER_PARAM)
+    elif precision == "fp32":
+        out = {state: 4 for state in STATES}
+    else:
+        raise ValueError(f"precision {precision!r} is not one of 'bf16', 'fp32'")
+    if grad_dtype is not None:
+        if grad_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"grad_dtype {grad_dtype!r} is not one of 'bf16', 'fp32'")
+        out["grads"] = 2 if grad_dtype == "bf16" else 4
+    return out
 
 
 def model_state_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
-                      optimizer_bytes: float | None = None) -> dict[str, float]:
+                      optimizer_bytes: float | None = None,
+                      grad_dtype: str | None = None) -> dict[str, float]:
     """Per-rank bytes of each model state (activations and buffers excluded).
 
     psi: trainable parameter count Ψ. world_size: data-parallel ranks N. stage: 0 (DDP) to 3.
     optimizer_bytes: K, bytes of optimizer state per parameter (default 12: fp32 master + m_t +
-    v_t), split as master 4 and the rest evenly over exp_avg / exp_avg_sq.
+    v_t), split as master 4 and the rest evenly over exp_avg / exp_avg_sq. grad_dtype: see
+    `bytes_per_param`.
     Returns {state: bytes} for STATES; sharded states are psi/N * bytes (a float when N does not
     divide Ψ; zerolab pads each bucket, so measured bytes equal this formula at the padded Ψ).
     Raises ValueError for a bad stage, world size or precision.
     """
     check_stage(stage)
     check_world_size(world_size)
-    per_param = bytes_per_param(precision)
+    per_param = bytes_per_param(precision, grad_dtype)
     if optimizer_bytes is not None:
         per_param["master_weights"] = min(4.0, optimizer_bytes)
         rest = max(0.0, optimizer_bytes - per_param["master_weights"]) / 2
@@ -94,13 +104,38 @@ def model_state_bytes(psi: float, world_size: int, stage: int, precision: str = 
 
 
 def model_state_total(psi: float, world_size: int, stage: int, precision: str = "bf16",
-                      optimizer_bytes: float | None = None) -> float:
-    """Sum of `model_state_bytes`: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N in bf16 (bytes per rank)."""
-    return sum(model_state_bytes(psi, world_size, stage, precision, optimizer_bytes).values())
+                      optimizer_bytes: float | None = None, grad_dtype: str | None = None) -> float:
+    """Sum of `model_state_bytes`: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N in bf16 (bytes per rank);
+    18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N with grad_dtype "fp32"."""
+    return sum(model_state_bytes(psi, world_size, stage, precision, optimizer_bytes,
+                                 grad_dtype).values())
+
+
+def grad_copy_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
+                    grad_dtype: str | None = None) -> float:
+    """Per-rank bytes of the fp32 gradient copies alive inside the optimizer step (the
+    "grad_fp32" transient): AdamW runs on fp32 master weights, so gradients held in bf16 are
+    converted (`master.grad = grad.float()`) for the rank's whole update range - the full Ψ in
+    DDP, its 1/N range from ZeRO-1 on: 4Ψ or 4Ψ/N. Zero when the gradients already are fp32."""
+    check_stage(stage)
+    if bytes_per_param(precision, grad_dtype)["grads"] == 4:
+        return 0.0
+    return 4 * psi / (check_world_size(world_size) if stage >= 1 else 1)
+
+
+def peak_step_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
+                    grad_dtype: str | None = None) -> float:
+    """Per-rank bytes alive inside the optimizer step: the resident model states plus the fp32
+    gradient copies. bf16: 20Ψ, 4Ψ + 16Ψ/N, 2Ψ + 18Ψ/N, 20Ψ/N (the resident 16Ψ, 4Ψ + 12Ψ/N,
+    ... are what stays between steps); grad_dtype "fp32": no copy, the resident 18 bytes.
+    Not counted: AdamW's own per-parameter temporaries (one parameter at a time) and scalars."""
+    return (model_state_total(psi, world_size, stage, precision, grad_dtype=grad_dtype)
+            + grad_copy_bytes(psi, world_size, stage, precision, grad_dtype))
 
 
 def traffic_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
-                  zero1_grad_op: str = "all_reduce", grad_accum: int = 1) -> dict[str, float]:
+                  zero1_grad_op: str = "all_reduce", grad_accum: int = 1,
+                  grad_dtype: str | None = None) -> dict[str, float]:
     """Per-rank bytes sent per optimizer step by the ring algorithm, by collective.
 
     DDP: all_reduce of the gradients, 2(n-1)/n · 2Ψ in bf16 (once per step: micro-steps before the
@@ -115,7 +150,7 @@ def traffic_bytes(psi: float, world_size: int, stage: int, precision: str = "bf1
     n = check_world_size(world_size)
     if zero1_grad_op not in ZERO1_GRAD_OPS:
         raise ValueError(f"zero1_grad_op {zero1_grad_op!r} is not one of {ZERO1_GRAD_OPS}")
-    per_param = bytes_per_param(precision)
+    per_param = bytes_per_param(precision, grad_dtype)
     grads, params = psi * per_param["grads"], psi * per_param["params"]
     ar, rs, ag = (RING_FACTOR[op](n) for op in ("all_reduce", "reduce_scatter", "all_gather"))
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
@@ -150,24 +185,42 @@ def padded_numel(numel: int, world_size: int) -> int:
 
 
 def memory_table(psi: float, world_size: int, precision: str = "bf16",
-                 optimizer_bytes: float | None = None) -> list[dict]:
-    """One row per stage: name, each state's per-rank bytes, total, and total/Ψ (the '16N' column)."""
+                 optimizer_bytes: float | None = None, grad_dtype: str | None = None) -> list[dict]:
+    """One row per stage: name, each state's per-rank bytes, total, total/Ψ (the '16N' column)
+    and in_step (bytes alive inside the optimizer step, `peak_step_bytes`)."""
     rows = []
     for stage in STAGES:
-        states = model_state_bytes(psi, world_size, stage, precision, optimizer_bytes)
+        states = model_state_bytes(psi, world_size, stage, precision, optimizer_bytes, grad_dtype)
         total = sum(states.values())
         rows.append({"stage": stage, "name": STAGE_NAMES[stage], **states, "total": total,
-                     "bytes_per_param": total / psi if psi else float("nan")})
+                     "bytes_per_param": total / psi if psi else float("nan"),
+                     "in_step": total + grad_copy_bytes(psi, world_size, stage, precision,
+                                                        grad_dtype)})
     return rows
 
 
 def format_memory_table(psi: float, world_size: int, precision: str = "bf16",
-                        optimizer_bytes: float | None = None, unit: float = 1e9) -> str:
+                        optimizer_bytes: float | None = None, unit: float = 1e9,
+                        grad_dtype: str | None = None) -> str:
     """The memory table as text (GB = 1e9 bytes, as in the ZeRO paper)."""
     head = f"{'stage':<8}" + "".join(f"{s:>16}" for s in (*STATES, "total")) + f"{'bytes/param':>13}"
-    lines = [f"Ψ = {psi:.4g} parameters, N = {world_size} ranks, {precision}; per-rank model states in "
-             f"{'GB' if unit == 1e9 else f'units of {unit:g} bytes'}", head]
-    for row in memory_table(psi, world_size, precision, optimizer_bytes):
+    dtype = f", {grad_dtype} grads" if grad_dtype else ""
+    lines = [f"Ψ = {psi:.4g} parameters, N = {world_size} ranks, {precision}{dtype}; per-rank model "
+             f"states in {'GB' if unit == 1e9 else f'units of {unit:g} bytes'}", head]
+    for row in memory_table(psi, world_size, precision, optimizer_bytes, grad_dtype):
         lines.append(f"{row['name']:<8}" + "".join(f"{row[s] / unit:>16.4g}" for s in (*STATES, "total"))
                      + f"{row['bytes_per_param']:>12.4g}Ψ")
+    return "\n".join(lines)
+
+
+def format_step_peaks(psi: float, world_size: int, precision: str = "bf16",
+                      grad_dtype: str | None = None, unit: float = 1e9) -> str:
+    """Per stage: resident model states and the bytes alive inside the optimizer step
+    (`peak_step_bytes`), as text."""
+    lines = [f"{'stage':<8}{'resident':>12}{'in step':>12}{'fp32 grad copies':>18}"]
+    for stage in STAGES:
+        resident = model_state_total(psi, world_size, stage, precision, grad_dtype=grad_dtype)
+        copies = grad_copy_bytes(psi, world_size, stage, precision, grad_dtype)
+        lines.append(f"{STAGE_NAMES[stage]:<8}{resident / unit:>12.4g}{(resident + copies) / unit:>12.4g}"
+                     f"{copies / unit:>18.4g}")
     return "\n".join(lines)

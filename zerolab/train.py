@@ -194,13 +194,15 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             torch.save({k: v.cpu() for k, v in params.items()}, path)
     strategy.close()                # its hooks would keep it (and every buffer) alive
     last = args.steps - 1
+    gd = getattr(args, "grad_dtype", None)
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
     return {
         "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank, "world_size": n,
         "backend": dist.get_backend(), "device": str(device), "precision": args.precision,
         "preset": args.preset, "model_config": cfg.__dict__, "num_params": psi,
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
-        "grad_accum": A, "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
+        "grad_accum": A, "grad_dtype": gd or args.precision,
+        "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
         "zero3_prefetch": args.zero3_prefetch if stage == 3 else None,
         "seed": args.seed, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
         "step_times_s": times,
@@ -208,15 +210,17 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
                    "shard_numel": u.shard_numel, "padding_in_shard": u.padding_in_shard()}
                   for u in strategy.units],
         "memory": {"model_states": measured_state, "model_states_total": sum(measured_state.values()),
-                   "padding": padding_bytes(strategy.units, stage, args.precision),
+                   "padding": padding_bytes(strategy.units, stage, args.precision, gd),
                    **memory, "allocator": allocator},
         "theory": {
-            "model_states": theory.model_state_bytes(psi, n, stage, args.precision),
-            "model_states_padded": theory.model_state_bytes(psi_padded, n, stage, args.precision),
+            "model_states": theory.model_state_bytes(psi, n, stage, args.precision, grad_dtype=gd),
+            "model_states_padded": theory.model_state_bytes(psi_padded, n, stage, args.precision,
+                                                            grad_dtype=gd),
+            "peak_in_step_padded": theory.peak_step_bytes(psi_padded, n, stage, args.precision, gd),
             "traffic_per_step": theory.traffic_bytes(psi, n, stage, args.precision,
-                                                     args.zero1_grad_op, A),
+                                                     args.zero1_grad_op, A, gd),
             "traffic_per_step_padded": theory.traffic_bytes(psi_padded, n, stage, args.precision,
-                                                            args.zero1_grad_op, A),
+                                                            args.zero1_grad_op, A, gd),
         },
         "comm": {"bytes_per_step": comm.bytes_by_op(step=last),
                  "records": comm.to_json()},

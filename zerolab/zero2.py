@@ -82,13 +82,13 @@ class ZeRO2:
             self._open_bucket(u)
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
-        out = torch.empty_like(u.grad_shard)                   # [Ψ_u/N] bf16
+        out = u.rs_out = torch.empty_like(u.grad_shard)       # [Ψ_u/N] bf16, in flight
         handle = self.comm.reduce_scatter(out, u.bucket, what="grads", unit=u.name,
                                           async_op=True)
 
         def done(u=u, out=out):
             u.grad_shard.add_(out.div_(self.n))                # accumulate the averaged shard
-            u.bucket = u.grad_views = None                     # free the full-gradient bucket
+            u.bucket = u.grad_views = u.rs_out = None          # free the full-gradient bucket
             for p in u.params:
                 p.grad = None
         handle.on_done = done
@@ -122,8 +122,8 @@ class ZeRO2:
         masters = [u.master for u in self.units]
         return {"params": [u.param_flat for u in self.units],
                 "grads": [u.grad_shard for u in self.units],
-                "grad_buckets": [u.bucket for u in self.units] + [p.grad for u in self.units
-                                                                  for p in u.params],
+                "grad_buckets": [t for u in self.units for t in (u.bucket, u.rs_out)]
+                + [p.grad for u in self.units for p in u.params],
                 **optimizer_states(self.optimizer, masters),
                 "grad_fp32": grad_copies(self.units)}
 
