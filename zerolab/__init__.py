@@ -4,6 +4,7 @@ Layers (each imports only from those above it):
     theory     formulas: bytes per rank per stage, traffic per step, busbw factors
     comm       every collective, recorded in a per-rank ledger
     sharding   flat buffers, padding, owned ranges, buckets / blocks
+    optim      torch's AdamW on flat shards (decay groups, parameters without a gradient)
     ddp, zero1, zero2, zero3   the strategies (forward / backward / step)
     memory     measured bytes by category, allocator cross-check
     model, data  the GPT and the text

@@ -293,11 +293,15 @@ def alloc_storage(t: torch.Tensor):
 
 
 # --- the update, shared by every stage ------------------------------------------------------
-def make_optimizer(masters: list[torch.Tensor], lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
+def make_optimizer(params: list[torch.Tensor], lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
                    weight_decay=0.1) -> torch.optim.AdamW:
-    """torch's AdamW over this rank's fp32 master weights (full or shards). The math is torch's;
-    where the state lives is the lesson. exp_avg / exp_avg_sq appear in optimizer.state."""
-    return torch.optim.AdamW(masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    """torch's AdamW over per-parameter tensors (the references, FSDP2, the notebooks), with the
+    GPT-2 / nanoGPT groups the strategies use (`decays`: 2-D weights decayed, biases and
+    LayerNorm weights not). The strategies' flat buffers use zerolab.optim.FlatAdamW instead.
+    exp_avg / exp_avg_sq appear in optimizer.state."""
+    groups = [{"params": [p for p in params if decays(p) == d], "weight_decay": weight_decay * d}
+              for d in (True, False)]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
 
 
 def clip_grad_norm_(masters: list[torch.Tensor], max_norm: float, comm=None) -> torch.Tensor:
