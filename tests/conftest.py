@@ -193,27 +193,29 @@ class OddToy(nn.Module):
 
 
 class CondBlock(nn.Module):
-    """h + tanh(a(h)), plus b(h) only on rows whose first token is 0 (the "trigger"): b is
-    skipped in Python when no row of the batch triggers it, so it then gets no gradient.
-    `unused` (if present) is never called."""
+    """h + tanh(a(h)), plus b(h) on the rows whose `trigger` is set (rows starting with token 0):
+    b only ever sees those rows and is skipped in Python when there is none, so it then gets no
+    gradient. `unused` (if present) is never called."""
 
     def __init__(self, dim, with_unused=False):
         super().__init__()
         self.a = nn.Linear(dim, dim)
         self.b = nn.Linear(dim, dim)
         self.unused = nn.Linear(dim, 3) if with_unused else None
-        self.trigger = None             # [B] bool, set by CondToy.forward
 
-    def forward(self, h):
+    def forward(self, h, trigger):
         out = h + torch.tanh(self.a(h))
-        if self.trigger.any():          # data-dependent control flow
-            out = out + torch.where(self.trigger[:, None, None], self.b(h), 0.0)
+        if trigger.any():               # data-dependent control flow
+            out = out.clone()
+            out[trigger] = out[trigger] + self.b(h[trigger])
         return out
 
 
 class CondToy(nn.Module):
     """Parameters that get no gradient: blocks[i].b (used only when a row starts with token 0),
-    blocks[1].unused (never used, in a unit), `spare` (never used, in the root unit)."""
+    blocks[1].unused (never used, in a unit), `spare` (never used, in the root unit), and all of
+    block 1 on a micro-batch with no row whose first token is 1 mod 3 (the whole unit skipped).
+    Every branch selects rows, so one process on the whole batch computes the same function."""
 
     def __init__(self, vocab=64, dim=16):
         super().__init__()
@@ -228,11 +230,12 @@ class CondToy(nn.Module):
         return [(f"block.{i}", b) for i, b in enumerate(self.blocks)]
 
     def forward(self, x, y):
-        for b in self.blocks:
-            b.trigger = x[:, 0] == 0
-        h = self.emb(x)
-        for b in self.blocks:
-            h = b(h)
+        trigger = x[:, 0] == 0
+        h = self.blocks[0](self.emb(x), trigger)
+        take = x[:, 0] % 3 == 1             # block 1 runs on these rows only: a micro-batch
+        if take.any():                      # without one skips the whole unit
+            h = h.clone()
+            h[take] = self.blocks[1](h[take], trigger[take])
         return F.cross_entropy(self.head(self.norm(h)).float().flatten(0, 1), y.reshape(-1))
 
 

@@ -53,7 +53,7 @@ class ZeRO3:
             u.master = u.param_shard.float().clone()            # [Ψ_u/N] fp32 master shard
             if u.module is not None:
                 self.handles += [
-                    u.module.register_forward_pre_hook(lambda *_, u=u: self._gather(u)),
+                    u.module.register_forward_pre_hook(lambda *_, u=u: self._pre_forward(u)),
                     u.module.register_forward_hook(lambda *_, u=u: self._free(u)),
                     on_pre_backward(u.module, lambda u=u: self._pre_backward(u))]
         self.handles += [m.register_state_dict_pre_hook(self._check_gathered)
@@ -63,6 +63,7 @@ class ZeRO3:
         self.root = [u for u in self.units if u.module is None]
         self.blocks = [u for u in self.units if u.module is not None]     # forward order
         self.prefetched = {}                # unit name -> all_gather issued ahead of use
+        self.next_block = 0                 # forward: blocks before this one were gathered
         self.ready = GradReady(self.units, self._grads_ready)
 
     def _gather(self, u):
@@ -83,6 +84,18 @@ class ZeRO3:
                 self.prefetched[nxt.name] = self.comm.all_gather(
                     nxt.param_flat, nxt.param_shard, what="params", unit=nxt.name, async_op=True)
 
+    def _pre_forward(self, u):
+        # a block this rank's forward skipped (data-dependent control flow) is gathered and freed
+        # anyway, so that every rank issues the same all_gathers in the same order
+        i = self.blocks.index(u)
+        while self.next_block < i:
+            skipped = self.blocks[self.next_block]
+            self._gather(skipped)
+            self._free(skipped)
+            self.next_block += 1
+        self.next_block = max(self.next_block, i + 1)
+        self._gather(u)
+
     def _free(self, u):
         if self.pinned:
             return
@@ -95,7 +108,12 @@ class ZeRO3:
         with self.comm.phase("forward"):
             for u in self.root:             # root params (tied embedding/head) span the pass
                 self._gather(u)
+            self.next_block = 0
             loss = self.model(x, y)
+            for u in self.blocks[self.next_block:]:     # skipped at the end: same collectives
+                self._gather(u)
+                self._free(u)
+            self.next_block = 0
             for u in self.root:
                 self._free(u)
             return loss
@@ -128,8 +146,9 @@ class ZeRO3:
         self._sample(f"bucket {u.name}")
 
     def _grads_ready(self, u):
-        if u.bucket is None:                # its backward never ran here: reduce zeros
-            self._open_bucket(u)
+        if u.bucket is None:                # its backward never ran here (skipped in forward):
+            self._gather(u)                 # the same all_gather as the other ranks, then
+            self._open_bucket(u)            # reduce zeros
         self._free(u)                       # this block's backward is done with its weights
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
