@@ -10,8 +10,8 @@ temporaries the meter does not.
 
 Categories (bytes): params, grads, master_weights, exp_avg, exp_avg_sq (the five model states of
 `theory.STATES`), plus the transients that live only inside a step: gathered_params (ZeRO-3's
-full blocks while gathered), grad_buckets (ZeRO-2/3's full-gradient buckets and their
-reduce-scatter outputs while in flight) and grad_fp32 (the fp32 gradient copies that AdamW reads
+full blocks while gathered), grad_buckets (ZeRO-2/3's full-gradient buckets while in flight),
+reduce_scatter_out (their [Ψ_u/N] outputs until added into the gradient shard) and grad_fp32 (the fp32 gradient copies that AdamW reads
 inside the optimizer step when gradients are bf16: `theory.grad_copy_bytes`). The strategies
 sample inside the step too (after the fp32 copies, after the update), so the peak of the step
 (`peak_by_phase["step"]`) is `theory.peak_step_bytes`. Not categorised: AdamW's per-parameter
@@ -28,7 +28,8 @@ import torch
 from . import theory
 from .sharding import storage_bytes
 
-TRANSIENT = ("grad_buckets", "gathered_params", "grad_fp32")   # come and go within a step
+TRANSIENT = ("grad_buckets", "gathered_params", "grad_fp32",   # come and go within a step
+             "reduce_scatter_out")
 
 
 class MemoryMeter:

@@ -20,7 +20,8 @@ from .labs import COLLECTIVES, TRANSIENT, step_records, step_timeline, unit_byte
 
 MB = 1e6
 STATE_COLORS = {"params": "C0", "grads": "C1", "master_weights": "C2", "exp_avg": "C3",
-                "exp_avg_sq": "C4", "grad_buckets": "C1", "gathered_params": "C0"}
+                "exp_avg_sq": "C4", "grad_buckets": "C1", "gathered_params": "C0",
+                "grad_fp32": "C1", "reduce_scatter_out": "C1"}
 OP_COLORS = {"all_reduce": "C5", "reduce_scatter": "C6", "all_gather": "C9", "broadcast": "C7"}
 PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fbeee6", "step": "#eaf7ea", "eval": "#f3f3f3"}
 

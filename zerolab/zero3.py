@@ -188,8 +188,9 @@ class ZeRO3:
         return {"params": [u.param_shard for u in self.units],
                 "grads": [u.grad_shard for u in self.units],
                 "gathered_params": [u.param_flat for u in self.units],
-                "grad_buckets": [t for u in self.units for t in (u.bucket, u.rs_out)]
-                + [p.grad for u in self.units for p in u.params],
+                "grad_buckets": [u.bucket for u in self.units] + [p.grad for u in self.units
+                                                                  for p in u.params],
+                "reduce_scatter_out": [u.rs_out for u in self.units],
                 **optimizer_states(self.optimizer, masters),
                 "grad_fp32": grad_copies(self.units)}
 
