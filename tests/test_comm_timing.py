@@ -1,0 +1,72 @@
+"""The ledger's collective durations are per-op: not "issue to wait() returned".
+
+Eight equal all_reduces issued together (async) queue behind each other in gloo (it runs two
+of a group's ops at a time, so eight make the queue visible where four would only pair up); timed
+from their issue, the later ones would include the earlier ones' time and the series would grow
+(the second half about 2-3x the first). The ledger's `time_s`
+must instead be about the same for all eight, and never exceed issue-to-completion. A second
+test runs the collectives one at a time (nothing queued) as the independent reference: there
+per-op time and issue-to-completion are the same thing.
+"""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from conftest import run_ranks
+
+NUMEL = 1 << 21           # 8 MiB of fp32: ~10 ms per all_reduce on loopback gloo
+OPS = 8
+
+
+def queued_worker(rank, n):
+    import torch
+
+    from zerolab.comm import Comm
+    comm = Comm()
+    tensors = [torch.ones(NUMEL) for _ in range(OPS)]
+    comm.all_reduce(tensors[0], what="grads", unit="warm-up")
+    out = []
+    for rep in range(5):
+        comm.records.clear()
+        handles = [comm.all_reduce(t, what="grads", unit=f"b{i}", async_op=True)
+                   for i, t in enumerate(tensors)]
+        for h in handles:
+            h.wait()
+        comm.settle()
+        out.append([(r.time_s, r.issue_to_done_s, r.time_source) for r in comm.records])
+    solo = []
+    for _ in range(OPS):                    # the reference: one at a time, nothing queued
+        comm.records.clear()
+        comm.all_reduce(tensors[0], what="grads", unit="solo")
+        comm.settle()
+        solo.append((comm.records[0].time_s, comm.records[0].issue_to_done_s))
+    return out, solo
+
+
+def _halves(values):
+    """mean of the second half / mean of the first half: ~1 for a flat series, ~2 or more for
+    one that grows as the queue ahead of each op grows."""
+    h = len(values) // 2
+    return statistics.mean(values[h:]) / statistics.mean(values[:h])
+
+
+@pytest.mark.timeout(120)
+def test_queued_collectives_get_their_own_durations_not_a_growing_series():
+    results = run_ranks(queued_worker, 2)
+    for rank, (reps, solo) in enumerate(results):
+        for rows in reps:
+            assert {s for _, _, s in rows} == {"gloo"}
+            assert all(t > 0 and t <= d + 1e-9 for t, d, _ in rows), rows
+        # per position in the queue, the median over the repeats (a loaded 2-core machine is noisy)
+        times = [statistics.median(rows[i][0] for rows in reps) for i in range(OPS)]
+        issue_to_done = [statistics.median(rows[i][1] for rows in reps) for i in range(OPS)]
+        # the ops really queued: timed from their issue, the series grows ...
+        assert _halves(issue_to_done) > 1.8, (rank, issue_to_done)
+        # ... but each op's own duration does not
+        assert _halves(times) < 1.5, (rank, times, issue_to_done)
+        assert max(times) < 3 * min(times), (rank, times)
+        # nothing queued: per-op time is issue-to-completion
+        for t, d in solo:
+            assert t == pytest.approx(d, rel=1e-9), solo
