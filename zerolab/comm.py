@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import queue
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -53,6 +55,8 @@ TIME_SOURCES = {
     "nccl": "per-op: NCCL's CUDA events around the kernel (TORCH_NCCL_ENABLE_TIMING), read once a step",
     "gloo": "per-op: completion on gloo's worker thread minus when a worker could start it "
             "(torch gives gloo no duration; queue wait removed)",
+    "gloo_wait": "upper bound: gloo op with no completion callback (reduce_scatter on CUDA "
+                 "tensors), queue-corrected issue to wait() returning",
     "none": "not timed (this backend gave no duration; NCCL needs TORCH_NCCL_ENABLE_TIMING=1)",
 }
 
@@ -102,6 +106,7 @@ class Handle:
     on_done: object = None
     done: bool = field(default=False)
     completed_at: float | None = None       # gloo: perf_counter() when the worker finished it
+    no_stamp: bool = False                  # gloo on CUDA without a future: seen at wait() only
 
     def wait(self):
         if self.done:
@@ -142,6 +147,7 @@ class Comm:
         self._pending: list[Handle] = []        # issued, duration not read yet (issue order)
         self._gloo_free: list[float] = []       # gloo: the latest completions settled so far
         self._gloo_last_start = 0.0
+        self._watcher = None
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         if self.backend == "nccl" and hasattr(pg, "_enable_collectives_timing"):
             pg._enable_collectives_timing()     # = TORCH_NCCL_ENABLE_TIMING=1 for this group
@@ -212,17 +218,44 @@ class Comm:
         handle = Handle(work=None, record=record, started=time.perf_counter(), comm=self,
                         cuda=full.is_cuda)
         handle.work = call()
-        if self.backend != "nccl":          # stamp the completion where gloo runs the op
-            def stamp(_future, handle=handle):
-                now = time.perf_counter()
-                handle.completed_at = min(handle.completed_at or now, now)
-            handle.work.get_future().add_done_callback(stamp)
+        if self.backend != "nccl":
+            self._stamp_completion(handle)
         self._pending.append(handle)
         if not async_op:
             handle.wait()
         return handle
 
     # --- durations --------------------------------------------------------------------------
+    def _stamp_completion(self, handle):
+        """gloo: note when the op completes, where it runs (its future's done-callback runs on
+        gloo's worker thread). Works without a future (gloo's reduce_scatter) are waited for by
+        a watcher thread (CPU tensors); on CUDA tensors their completion is seen at wait()."""
+        def stamp(*_, handle=handle):
+            now = time.perf_counter()
+            handle.completed_at = min(handle.completed_at or now, now)
+        try:
+            handle.work.get_future().add_done_callback(stamp)
+        except RuntimeError:                # "Work::getFuture not implemented"
+            if handle.cuda:
+                handle.no_stamp = True      # settled as "gloo_wait"
+                return
+            if self._watcher is None:
+                self._watch_queue = queue.Queue()
+                self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                                 name="zerolab-comm-watcher")
+                self._watcher.start()
+            self._watch_queue.put((handle.work, stamp))
+
+    def _watch(self):
+        while True:
+            work, stamp = self._watch_queue.get()
+            try:
+                work.wait()                 # releases the GIL; a failure is the owner's to raise
+            except Exception:  # noqa: BLE001
+                pass
+            stamp()
+            del work, stamp
+
     def settle(self, block: bool = True):
         """Fill `time_s` (seconds) of the collectives issued so far, in issue order.
 
@@ -267,7 +300,7 @@ class Comm:
         start = max(h.started, self._gloo_last_start, busy_until)
         h.record.time_s = max(h.completed_at - start, 0.0)
         h.record.issue_to_done_s = h.completed_at - h.started
-        h.record.time_source = "gloo"
+        h.record.time_source = "gloo_wait" if h.no_stamp else "gloo"
         self._gloo_last_start = start
         bisect.insort(self._gloo_free, h.completed_at)
         del self._gloo_free[:-k]

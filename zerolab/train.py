@@ -124,12 +124,12 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
 
     def one_step(step):
         x, y = get_batch(train_tokens, step, args.batch_size, cfg.block_size, args.seed)
-        total = torch.zeros((), dtype=torch.float32)
-        for micro in range(A):
+        total = torch.zeros((), dtype=torch.float32, device=device)   # stays on the device:
+        for micro in range(A):                                           # no host sync per micro-step
             xm, ym = (rank_slice(t, rank, n, micro, A).to(device) for t in (x, y))
             loss = strategy.forward(xm, ym)
             strategy.backward(loss / A, sync=micro == A - 1)
-            total += loss.detach().float().cpu() / A
+            total += loss.detach().float() / A
         norm = strategy.step()
         return total, norm
 
@@ -158,10 +158,11 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-        mean = local.to(device)
+        comm.settle()                       # the step's collective durations (one sync at most)
+        mean = local
         with comm.phase("step"):
             comm.all_reduce(mean, what="metric", unit="loss")
-        losses.append(mean.item() / n)
+        losses.append(mean.item() / n)      # the loss reaches the host once per step
         norms.append(float(norm))
         if rank == 0:
             print(f"[stage {stage}] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
@@ -213,18 +214,25 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
     }
 
 
+def check_device(args):
+    """Raise ValueError (one line) when --device / --backend cannot run on this machine."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device (use --device cpu)")
+    if args.backend == "nccl" and args.device != "cuda":
+        raise ValueError("--backend nccl needs --device cuda (use gloo on CPU)")
+
+
 def setup(args):
     """Initialise the process group from torchrun's environment; return (comm, device)."""
+    check_device(args)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda but torch sees no CUDA device (use --device cpu)")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if args.backend == "nccl" and device.type != "cuda":
-        raise ValueError("--backend nccl needs --device cuda (use gloo on CPU)")
+    if args.backend == "nccl":              # per-op durations from NCCL's own events (comm.py)
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     kwargs = {"device_id": device} if args.backend == "nccl" else {}
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout), **kwargs)
     return Comm(), device
@@ -238,6 +246,7 @@ def main(argv=None) -> int:
     world_size = int(os.environ["WORLD_SIZE"])
     try:
         cfg = check_args(args, world_size)
+        check_device(args)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
     except ValueError as err:
         if int(os.environ["RANK"]) == 0:
