@@ -26,7 +26,7 @@ def queued_worker(rank, n, op="all_reduce"):
     from zerolab.comm import Comm
     comm = Comm()
     tensors = [torch.ones(NUMEL) for _ in range(OPS)]
-    if op == "reduce_scatter":              # gloo gives this one no future: a watcher thread waits
+    if op == "reduce_scatter":              # gloo gives this one no future: seen at wait()
         outs = [t[:NUMEL // n] for t in tensors]
         issue = lambda i, **kw: comm.reduce_scatter(outs[i], tensors[i], what="grads",  # noqa: E731
                                                      unit=f"b{i}", **kw)
@@ -34,7 +34,7 @@ def queued_worker(rank, n, op="all_reduce"):
         issue = lambda i, **kw: comm.all_reduce(tensors[i], what="grads", unit=f"b{i}", **kw)  # noqa: E731
     issue(0)                                # warm-up
     out = []
-    for rep in range(5):
+    for rep in range(7):
         comm.records.clear()
         handles = [issue(i, async_op=True) for i in range(OPS)]
         for h in handles:
@@ -63,17 +63,17 @@ def test_queued_collectives_get_their_own_durations_not_a_growing_series(op):
     results = run_ranks(queued_worker, 2, op)
     for rank, (reps, solo) in enumerate(results):
         for rows in reps:
-            assert {s for _, _, s in rows} == {"gloo"}
+            assert {s for _, _, s in rows} == {"gloo_wait" if op == "reduce_scatter" else "gloo"}
             assert all(t > 0 and t <= d + 1e-9 for t, d, _ in rows), rows
         for t, d in solo:                   # nothing queued: per-op time is issue-to-completion
             assert t == pytest.approx(d, rel=1e-9), solo
         # per position in the queue, the median over the repeats (a loaded 2-core machine is noisy)
         times = [statistics.median(rows[i][0] for rows in reps) for i in range(OPS)]
         issue_to_done = [statistics.median(rows[i][1] for rows in reps) for i in range(OPS)]
-        if op == "reduce_scatter":          # gloo's issue call itself blocks for part of the op,
-            continue                        # so these do not queue up cleanly: checks above only
+        if op == "reduce_scatter":          # an upper bound (seen at wait()), and gloo's issue call
+            continue                        # itself blocks: checks above only
         # the ops really queued: timed from their issue, the series grows ...
         assert _halves(issue_to_done) > 1.8, (rank, issue_to_done)
-        # ... but each op's own duration does not
-        assert _halves(times) < 1.5, (rank, times, issue_to_done)
-        assert max(times) < 3 * min(times), (rank, times)
+        # ... but each op's own duration does not (about 1; bounds loose for a loaded machine)
+        assert _halves(times) < 1.8, (rank, times, issue_to_done)
+        assert _halves(times) < 0.75 * _halves(issue_to_done), (rank, times, issue_to_done)

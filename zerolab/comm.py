@@ -27,14 +27,14 @@ explained by `TIME_SOURCES`):
   the work runs (a done-callback on gloo's worker thread) and subtracts the moment the op could
   start: its issue, or - when earlier ops of the group still occupied gloo's worker threads (2 by
   default; gloo starts a group's ops in issue order) - the moment one became free. `issue_to_done_s`
-  keeps the plain host-side "issue to completion" next to it.
+  keeps the plain host-side "issue to completion" next to it. gloo's reduce_scatter returns a
+  work without a future: its completion is seen when wait() returns ("gloo_wait", an upper bound
+  that includes whatever ran between its completion and the wait).
 """
 from __future__ import annotations
 
 import bisect
 import contextlib
-import queue
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -55,8 +55,8 @@ TIME_SOURCES = {
     "nccl": "per-op: NCCL's CUDA events around the kernel (TORCH_NCCL_ENABLE_TIMING), read once a step",
     "gloo": "per-op: completion on gloo's worker thread minus when a worker could start it "
             "(torch gives gloo no duration; queue wait removed)",
-    "gloo_wait": "upper bound: gloo op with no completion callback (reduce_scatter on CUDA "
-                 "tensors), queue-corrected issue to wait() returning",
+    "gloo_wait": "upper bound: gloo op with no completion callback (its reduce_scatter), "
+                 "queue-corrected issue to wait() returning",
     "none": "not timed (this backend gave no duration; NCCL needs TORCH_NCCL_ENABLE_TIMING=1)",
 }
 
@@ -106,7 +106,7 @@ class Handle:
     on_done: object = None
     done: bool = field(default=False)
     completed_at: float | None = None       # gloo: perf_counter() when the worker finished it
-    no_stamp: bool = False                  # gloo on CUDA without a future: seen at wait() only
+    no_stamp: bool = False                  # gloo op without a future: seen at wait() only
 
     def wait(self):
         if self.done:
@@ -147,7 +147,6 @@ class Comm:
         self._pending: list[Handle] = []        # issued, duration not read yet (issue order)
         self._gloo_free: list[float] = []       # gloo: the latest completions settled so far
         self._gloo_last_start = 0.0
-        self._watcher = None
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         if self.backend == "nccl" and hasattr(pg, "_enable_collectives_timing"):
             pg._enable_collectives_timing()     # = TORCH_NCCL_ENABLE_TIMING=1 for this group
@@ -228,33 +227,17 @@ class Comm:
     # --- durations --------------------------------------------------------------------------
     def _stamp_completion(self, handle):
         """gloo: note when the op completes, where it runs (its future's done-callback runs on
-        gloo's worker thread). Works without a future (gloo's reduce_scatter) are waited for by
-        a watcher thread (CPU tensors); on CUDA tensors their completion is seen at wait()."""
+        gloo's worker thread). Works without a future (gloo's reduce_scatter) are only seen
+        complete when their owner's wait() returns: an upper bound (time_source "gloo_wait").
+        (Waiting for them from a watcher thread races with the owner's wait: the result is
+        copied out inside wait().)"""
         def stamp(*_, handle=handle):
             now = time.perf_counter()
             handle.completed_at = min(handle.completed_at or now, now)
         try:
             handle.work.get_future().add_done_callback(stamp)
         except RuntimeError:                # "Work::getFuture not implemented"
-            if handle.cuda:
-                handle.no_stamp = True      # settled as "gloo_wait"
-                return
-            if self._watcher is None:
-                self._watch_queue = queue.Queue()
-                self._watcher = threading.Thread(target=self._watch, daemon=True,
-                                                 name="zerolab-comm-watcher")
-                self._watcher.start()
-            self._watch_queue.put((handle.work, stamp))
-
-    def _watch(self):
-        while True:
-            work, stamp = self._watch_queue.get()
-            try:
-                work.wait()                 # releases the GIL; a failure is the owner's to raise
-            except Exception:  # noqa: BLE001
-                pass
-            stamp()
-            del work, stamp
+            handle.no_stamp = True
 
     def settle(self, block: bool = True):
         """Fill `time_s` (seconds) of the collectives issued so far, in issue order.

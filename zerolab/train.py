@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import sys
@@ -26,7 +27,8 @@ import torch.distributed as dist
 from . import STRATEGIES, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
-from .memory import MemoryMeter, allocator_peak, cuda_memory_history, padding_bytes
+from .memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memory_history,
+                     padding_bytes)
 from .model import GPT, PRESETS, get_config, num_params
 from .report import compare_rows, format_rows
 
@@ -110,9 +112,31 @@ def make_strategy(stage, model, comm, args, meter):
     return STRATEGIES[stage](model, comm, **kwargs)
 
 
+def before_stage(device) -> dict:
+    """What earlier stages left behind, measured just before a stage builds its model: after
+    gc.collect() (and empty_cache on CUDA), the strategies still alive (0 when every stage freed
+    its model, strategy and buffers) and, on CUDA, memory.cuda_memory_figures (bytes)."""
+    gc.collect()
+    alive = sum(1 for o in gc.get_objects() if isinstance(o, tuple(STRATEGIES.values())))
+    cuda = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        cuda = cuda_memory_figures(device)
+    return {"strategies_alive": alive, "cuda": cuda}
+
+
+def finish_stage(strategy):
+    """Let a finished stage be freed: the strategy's close() (removes its hooks) when it has one."""
+    close = getattr(strategy, "close", None)
+    if close is not None:
+        close()
+
+
 def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
     """Train one stage on this rank; return the JSON-ready result."""
     rank, n, A = comm.rank, comm.world_size, args.grad_accum
+    leftover = before_stage(device)
     cfg = model_config(args)
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device=device, dtype=DTYPES[args.precision])
@@ -186,6 +210,8 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             torch.save({k: v.cpu() for k, v in params.items()}, path)
     last = args.steps - 1
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
+    ledger = comm.to_json()
+    finish_stage(strategy)
     return {
         "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank, "world_size": n,
         "backend": dist.get_backend(), "device": str(device), "precision": args.precision,
@@ -209,8 +235,9 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             "traffic_per_step_padded": theory.traffic_bytes(psi_padded, n, stage, args.precision,
                                                             args.zero1_grad_op, A),
         },
-        "comm": {"bytes_per_step": comm.bytes_by_op(step=last),
-                 "records": comm.to_json()},
+        "comm": {"bytes_per_step": comm.bytes_by_op(step=last), "records": ledger,
+                 "time_sources": comm.time_sources()},
+        "before_stage": leftover,
     }
 
 
