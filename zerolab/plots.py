@@ -259,13 +259,12 @@ def cuda_snapshot(path, title: str = ""):
     if "allocated_at_start" in meta:
         ax.axhline(meta["allocated_at_start"] / MB, color="0.4", ls=":", lw=1,
                    label="allocated when recording began")
-    ax.set(xlabel="allocator event", ylabel="MB allocated (absolute)",
-           title=title or f"CUDA allocator over the last step ({Path(path).name})")
     notes.append("absolute: anchored at the blocks still allocated at the dump")
-    ax.text(0.01, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=8, va="bottom",
-            color="firebrick" if len(notes) > 1 else "0.3")
-    if ax.get_legend_handles_labels()[1]:
-        ax.legend(fontsize=8, loc="upper right")
+    ax.set(xlabel="allocator event", ylabel="MB allocated (absolute)")
+    ax.set_title("\n".join([title or f"CUDA allocator over the last step ({Path(path).name})",
+                             *notes]), fontsize=9)
+    if ax.get_legend_handles_labels()[1]:       # outside the axes: never over the data
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
