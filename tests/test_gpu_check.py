@@ -95,3 +95,14 @@ def test_train_device_cuda_without_gpu_is_one_line():
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "zerolab.train: error: --device cuda but torch sees no CUDA device (use --device cpu)"]
+
+
+def test_backend_auto_says_when_it_leaves_a_gpu_unused():
+    from zerolab.launch import auto_note, resolve
+    chosen = resolve(2, "auto", "auto", gpus=1)           # 2 ranks, 1 GPU: NCCL cannot
+    assert chosen == ("gloo", "cpu")
+    note = auto_note(2, "auto", "auto", *chosen, gpus=1)
+    assert "gloo on CPU" in note and "--backend gloo --device cuda" in note
+    assert auto_note(2, "auto", "auto", *resolve(2, "auto", "auto", gpus=0), gpus=0) == ""
+    assert auto_note(2, "auto", "auto", *resolve(2, "auto", "auto", gpus=2), gpus=2) == ""
+    assert auto_note(2, "gloo", "cpu", "gloo", "cpu", gpus=1) == ""     # asked for: no note
