@@ -47,11 +47,10 @@ def _snapshot(tmp_path, trace, live_blocks, max_entries=None):
             "segments": [{"device": 0, "blocks": [{"size": s, "state": "active_allocated"}
                                                   for s in live_blocks]
                           + [{"size": 999, "state": "inactive"}]}]}
+    if max_entries is not None:             # what memory.cuda_memory_history adds
+        snap["zerolab"] = {"allocated_at_start": 300, "max_entries": max_entries}
     path = tmp_path / "rank0_snapshot.pickle"
     path.write_bytes(pickle.dumps(snap))
-    if max_entries is not None:
-        path.with_suffix(".json").write_text(json.dumps({"allocated_at_start": 300,
-                                                         "max_entries": max_entries}))
     return path, snap
 
 

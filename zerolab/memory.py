@@ -15,7 +15,7 @@ Categories (bytes): params, grads, master_weights, exp_avg, exp_avg_sq (the five
 from __future__ import annotations
 
 import contextlib
-import json
+import pickle
 import time
 from pathlib import Path
 
@@ -123,20 +123,22 @@ SNAPSHOT_MAX_ENTRIES = 200_000
 def cuda_memory_history(path: Path, max_entries: int = SNAPSHOT_MAX_ENTRIES):
     """Record the CUDA caching allocator's history inside the block and dump it to `path` (a
     pickle that `zerolab.plots` draws offline with matplotlib; torch's HTML viewer needs the
-    internet). Next to it, `path` with suffix .json holds {"allocated_at_start",
-    "allocated_at_end" (bytes), "max_entries"}: the history keeps only the last `max_entries`
-    events, and blocks allocated before recording began are freed inside it. CUDA only."""
+    internet). The pickle is torch's snapshot dict (what `_dump_snapshot` writes) plus
+    "zerolab": {"allocated_at_start", "allocated_at_end" (bytes), "max_entries"}: the history
+    keeps only the last `max_entries` events, and blocks allocated before recording began are
+    freed inside it, so a plot needs both. CUDA only."""
     start = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=max_entries)
     try:
         yield
     finally:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
+        snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        Path(path).with_suffix(".json").write_text(json.dumps(
-            {"allocated_at_start": start, "allocated_at_end": torch.cuda.memory_allocated(),
-             "max_entries": max_entries}))
+        snap["zerolab"] = {"allocated_at_start": start, "max_entries": max_entries,
+                           "allocated_at_end": torch.cuda.memory_allocated()}
+        with open(path, "wb") as f:
+            pickle.dump(snap, f)
 
 
 def padding_bytes(units, stage: int, precision: str = "bf16") -> dict[str, int]:

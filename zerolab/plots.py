@@ -10,7 +10,6 @@ bytes, hatched, in the colour of what they hold.
 """
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 
@@ -239,14 +238,13 @@ def snapshot_series(snap: dict, max_entries: int | None = None) -> list[dict]:
 def cuda_snapshot(path, title: str = ""):
     """Allocated bytes (absolute, see `snapshot_series`) over the events of a
     `torch.cuda.memory._dump_snapshot` pickle, drawn offline (the built-in HTML viewers load
-    JavaScript from the internet). Reads the .json written next to it by
-    `memory.cuda_memory_history` when present: the allocated bytes when recording began (a
-    dotted line) and the buffer size, to say on the plot when old events were dropped."""
+    JavaScript from the internet). Reads what `memory.cuda_memory_history` adds under
+    "zerolab" when present: the allocated bytes when recording began (a dotted line) and the
+    buffer size, to say on the plot when old events were dropped."""
     from .memory import SNAPSHOT_MAX_ENTRIES
     with open(path, "rb") as f:
         snap = pickle.load(f)
-    side = Path(path).with_suffix(".json")
-    meta = json.loads(side.read_text()) if side.exists() else {}
+    meta = snap.get("zerolab") or {}
     fig, ax = plt.subplots(figsize=(14, 3.6))
     notes = []
     for row in snapshot_series(snap, meta.get("max_entries", SNAPSHOT_MAX_ENTRIES)):
