@@ -105,3 +105,39 @@ def test_backend_auto_says_when_it_leaves_a_gpu_unused():
     assert auto_note(2, "auto", "auto", *resolve(2, "auto", "auto", gpus=0), gpus=0) == ""
     assert auto_note(2, "auto", "auto", *resolve(2, "auto", "auto", gpus=2), gpus=2) == ""
     assert auto_note(2, "gloo", "cpu", "gloo", "cpu", gpus=1) == ""     # asked for: no note
+
+
+def _gpu_check():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "labs" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fake_rank(stage, rank, allocated, source="nccl", time_s=0.01, step_time=0.5):
+    return {"stage": stage, "name": f"S{stage}", "rank": rank, "backend": "nccl",
+            "device": f"cuda:{rank}", "step_times_s": [step_time, step_time],
+            "before_stage": {"strategies_alive": 0, "cuda": {"allocated": allocated}},
+            "comm": {"records": [{"step": 1, "what": "grads", "op": "all_reduce", "unit": "b",
+                                  "time_s": time_s, "time_source": source}]}}
+
+
+def test_gpu_check_judges_cuda_runs_it_cannot_make_here(monkeypatch):
+    """The CUDA branches of the checks, on hand-made rank JSONs (no GPU is lent to CI)."""
+    gc = _gpu_check()
+    runs = {s: [_fake_rank(s, r, 1000) for r in range(2)] for s in range(4)}
+    assert gc.check_placement([runs], "nccl", "cuda")[0] is True
+    assert gc.check_placement([runs], "gloo", "cuda")[0] is False
+    import zerolab
+    monkeypatch.setattr(zerolab, "STRATEGIES", {k: type("S", (), {"close": None})
+                                                for k in range(4)})
+    assert gc.check_leak(runs, "cuda")[0] is True
+    runs[2][1]["before_stage"]["cuda"]["allocated"] += 8 << 20      # 8 MiB left behind
+    ok, detail = gc.check_leak(runs, "cuda")
+    assert ok is False and "CUDA allocated" in detail
+    assert gc.check_durations([runs])[0] is True
+    runs[3][0]["comm"]["records"][0]["time_source"] = "none"        # timing was off
+    assert gc.check_durations([runs])[0] is False
+    runs[3][0]["comm"]["records"][0].update(time_source="nccl", time_s=0.9)   # > step time
+    assert gc.check_durations([runs])[0] is False
