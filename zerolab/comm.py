@@ -285,7 +285,9 @@ class Comm:
         h.record.issue_to_done_s = h.completed_at - h.started
         h.record.time_source = "gloo_wait" if h.no_stamp else "gloo"
         self._gloo_last_start = start
-        bisect.insort(self._gloo_free, h.completed_at)
+        # an upper-bound completion ("gloo_wait") would make later ops look as if they started
+        # late; count it as no worker time instead (later ops' times may then be upper bounds)
+        bisect.insort(self._gloo_free, h.started if h.no_stamp else h.completed_at)
         del self._gloo_free[:-k]
 
     def time_sources(self) -> list[str]:
