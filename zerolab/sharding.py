@@ -264,19 +264,33 @@ def on_grads_ready(units: list[FlatUnit], callback) -> GradReady:
 
 def on_pre_backward(module: torch.nn.Module, callback):
     """Call `callback()` when the gradient of `module`'s output arrives, i.e. just before the
-    module's own backward runs (FSDP's pre-backward hook). Output: a tensor or tuple of them."""
+    module's own backward runs (FSDP's pre-backward hook). Output: a tensor or tuple of them.
+    Returns a handle whose remove() takes away the forward hook and drops `callback` from the
+    gradient hooks already put on output tensors (a memory tracker, say, may keep those tensors
+    alive: they must not keep the strategy alive with them)."""
+    box = [callback]
+
     def forward_hook(mod, args, output):
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
         fired = []
         for t in tensors:
             def grad_hook(grad):
-                if not fired:
+                if not fired and box[0] is not None:
                     fired.append(True)
-                    callback()
+                    box[0]()
                 return grad
             t.register_hook(grad_hook)
-    return module.register_forward_hook(forward_hook)
+    return _PreBackwardHandle(module.register_forward_hook(forward_hook), box)
+
+
+class _PreBackwardHandle:
+    def __init__(self, handle, box):
+        self.handle, self.box = handle, box
+
+    def remove(self):
+        self.handle.remove()
+        self.box[0] = None
 
 
 # --- storage that comes and goes (ZeRO-3's gathered blocks, ZeRO-2/3's gradient buckets) ----

@@ -216,7 +216,6 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             path = Path(args.out) / f"stage{stage}" / "params.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({k: v.cpu() for k, v in params.items()}, path)
-    strategy.close()                # its hooks would keep it (and every buffer) alive
     last = args.steps - 1
     gd = getattr(args, "grad_dtype", None)
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
@@ -297,14 +296,6 @@ def port_is_free(port) -> bool:
     return True
 
 
-def release(device):
-    """Between stages: collect the finished stage's strategy, model and buffers (its hooks were
-    removed by strategy.close(), so nothing keeps them alive) and give CUDA's cached blocks back."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:     # plain `python -m zerolab.train`: a world of one
@@ -329,7 +320,6 @@ def main(argv=None) -> int:
         results = []
         for stage in args.stage_list:
             result = run_stage(stage, args, comm, device, train_tokens, val_tokens)
-            release(device)
             out = Path(args.out) / f"stage{stage}"
             out.mkdir(parents=True, exist_ok=True)
             (out / f"rank{comm.rank}.json").write_text(json.dumps(result, indent=1))
