@@ -4,6 +4,7 @@
     zerolab train --stage 2 --nproc 4                  # one stage under torchrun
     zerolab compare                                    # stages 0-3 on this machine: the main job
     zerolab labs                                       # execute every lab notebook, write a report
+    zerolab checkpoint consolidate DIR OUT             # sharded checkpoint -> plain GPT state dict
 
 Every subcommand checks its arguments before any process starts and exits 2 with one line
 naming the bad value; a failed launch exits 1 with the failing rank's traceback.
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
     _add_launch_args(train, "0", 2, "tiny", 5)
     train.add_argument("--out", default="runs/train", help="writes OUT/stage{S}/rank{r}.json")
+    train.add_argument("--save-every", type=int, default=None, metavar="K",
+                       help="sharded checkpoint every K steps and at the end (0: only at the end)")
+    train.add_argument("--resume", default=None, metavar="DIR",
+                       help="continue from a checkpoint; options not given come from it")
 
     cmp = sub.add_parser("compare", formatter_class=HELP, help="stages 0-3, same seed and data: table + JSON + PNG")
     _add_launch_args(cmp, "0,1,2,3", 4, "tiny", 10)
@@ -89,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     labs.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
                       help="papermill parameter override for every lab (repeatable)")
     labs.add_argument("--timeout", type=float, default=900, help="seconds per lab")
+
+    from .checkpoint import add_parser
+    add_parser(sub)
     return parser
 
 
@@ -114,6 +122,9 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch")
              if getattr(args, flag)]
+    for flag in ("save_every", "resume"):                   # train only
+        if getattr(args, flag, None) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv
 
 
@@ -122,6 +133,13 @@ def check_launch(args) -> tuple[str, str]:
     from .data import load_tokens
     from .train import check_args
     backend, device = resolve(args.nproc, args.backend, args.device, args.nnodes)
+    if getattr(args, "resume", None):       # fills the options not given from the checkpoint
+        from .checkpoint import given_options
+        from .train import check_resume
+        _, notes = check_resume(args, given_options(build_parser(), args.argv),
+                                args.nproc * args.nnodes)
+        if notes:
+            print(f"zerolab: resuming with {', '.join(notes)}", flush=True)
     load_tokens(args.data, check_args(args, args.nproc * args.nnodes).block_size)
     return backend, device
 
@@ -156,6 +174,11 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_checkpoint(args) -> int:
+    from .checkpoint import consolidate_command
+    return consolidate_command(args)          # the only action so far: consolidate
+
+
 def cmd_labs(args) -> int:
     from .labs import run_labs
     return run_labs(args)
@@ -163,9 +186,10 @@ def cmd_labs(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare,
-                "labs": cmd_labs}[args.command](args)
+                "labs": cmd_labs, "checkpoint": cmd_checkpoint}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import STRATEGIES, theory
+from . import STRATEGIES, checkpoint, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
 from .memory import MemoryMeter, allocator_peak, cuda_memory_history, padding_bytes
@@ -68,7 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-snapshot", action="store_true", help="CUDA only: record the allocator's "
                    "history over the last step into OUT/stage{S}/rank{r}_snapshot.pickle")
     p.add_argument("--save-params", action="store_true",
-                   help="rank 0 saves the final full parameters to OUT/stage{S}/params.pt")
+                   help="rank 0 saves the final fp32 state dict (every key of GPT.state_dict(), "
+                   "from the master weights) to OUT/stage{S}/params.pt")
+    p.add_argument("--save-every", type=int, default=None, metavar="K",
+                   help="sharded checkpoint every K steps and at the end into "
+                   "OUT/stage{S}/checkpoints (0: only at the end)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint (step_* folder or its checkpoints/ folder); "
+                   "options not given are taken from it")
+    p.add_argument("--crash-in-save", type=int, default=None, help=argparse.SUPPRESS)  # tests
     p.add_argument("--no-allocator", action="store_true",
                    help="skip the allocator / MemTracker cross-check on the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait")
@@ -97,7 +105,32 @@ def check_args(args, world_size: int):
     if args.batch_size % (world_size * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
                          f"{world_size} x --grad-accum {args.grad_accum}")
+    if args.save_every is not None and args.save_every < 0:
+        raise ValueError(f"--save-every {args.save_every} must be >= 0 (0: only at the end)")
     return cfg
+
+
+def check_resume(args, given: set[str], world_size: int):
+    """Open --resume's checkpoint, take the options not `given` on the command line from it and
+    check that it fits this run (one stage, same model, batch divisible by the new world size,
+    steps left). Returns (checkpoint, notes); ValueError (one line) otherwise."""
+    ckpt = checkpoint.open_checkpoint(args.resume)
+    notes = checkpoint.apply_resume_args(args, given, ckpt)
+    if len(parse_stages(args.stages)) != 1:
+        raise ValueError(f"--resume continues one stage: give one --stage, not {args.stages!r}")
+    try:
+        cfg = check_args(args, world_size)
+    except ValueError as err:
+        if "--batch-size" in str(err) and "batch_size" not in given:
+            raise ValueError(f"{err} (the checkpoint's global batch: pass a --batch-size that "
+                             f"world_size {world_size} divides, or resume on another world size)"
+                             ) from None
+        raise
+    checkpoint.check_compatible(ckpt, cfg)
+    if args.steps <= ckpt.step:
+        raise ValueError(f"--steps {args.steps} leaves nothing to train after the checkpoint's "
+                         f"step {ckpt.step}: give --steps > {ckpt.step}")
+    return ckpt, notes
 
 
 def make_strategy(stage, model, comm, args, meter):
@@ -110,8 +143,8 @@ def make_strategy(stage, model, comm, args, meter):
     return STRATEGIES[stage](model, comm, **kwargs)
 
 
-def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
-    """Train one stage on this rank; return the JSON-ready result."""
+def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) -> dict:
+    """Train one stage on this rank (from checkpoint `ckpt` if given); return the JSON result."""
     rank, n, A = comm.rank, comm.world_size, args.grad_accum
     cfg = model_config(args)
     torch.manual_seed(args.seed)
@@ -121,6 +154,10 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
     comm.records.clear()
     strategy = make_strategy(stage, model, comm, args, meter)
     psi_padded = sum(u.padded_numel for u in strategy.units)
+    start, history, saved = 0, [], []
+    if ckpt is not None:
+        checkpoint.load(strategy, model, ckpt, DTYPES[args.precision])
+        start, history = ckpt.step, list(ckpt.meta.get("losses", []))[:ckpt.step]
 
     def one_step(step):
         x, y = get_batch(train_tokens, step, args.batch_size, cfg.block_size, args.seed)
@@ -134,7 +171,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         return total, norm
 
     losses, norms, times, allocator = [], [], [], None
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         comm.step = step
         if args.crash_rank == rank and step == args.steps - 1:
             raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank) at step {step}")
@@ -166,6 +203,17 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         if rank == 0:
             print(f"[stage {stage}] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
                   f"grad_norm {norms[-1]:.4f}  {times[-1] * 1e3:.0f} ms", flush=True)
+        if args.save_every is not None and (step + 1 == args.steps or (
+                args.save_every and (step + 1) % args.save_every == 0)):
+            meta = {"args": {k: getattr(args, k) for k in checkpoint.RESUMED_ARGS},
+                    "model_config": cfg.__dict__, "precision": args.precision,
+                    "losses": history + losses}
+            meta["args"]["stages"] = str(stage)
+            crash = args.crash_in_save if step + 1 == args.steps else None
+            saved.append(str(checkpoint.save(strategy, model, Path(args.out) / f"stage{stage}" /
+                                             "checkpoints", step + 1, meta, crash_rank=crash)))
+            if rank == 0:
+                print(f"[stage {stage}] saved {saved[-1]}", flush=True)
 
     # --- held-out loss and saved parameters: outside the measured steps ------------------------
     memory = meter.to_json()                # what the last step held, before eval touches it
@@ -177,12 +225,13 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         val = strategy.forward(xm, ym).detach().float().reshape(())
         with comm.phase("eval"):
             comm.all_reduce(val, what="metric", unit="val_loss")
-    if args.save_params:            # every rank takes part (ZeRO-3 gathers), rank 0 writes
-        params = strategy.full_parameters()
+    if args.save_params:            # every rank gathers the fp32 masters, rank 0 writes
+        params = checkpoint.gather_state_dict(strategy, model, comm)
         if rank == 0:
             path = Path(args.out) / f"stage{stage}" / "params.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v.cpu() for k, v in params.items()}, path)
+            torch.save(params, path)
+        del params
     last = args.steps - 1
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
     return {
@@ -192,7 +241,8 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
         "zero3_prefetch": args.zero3_prefetch if stage == 3 else None,
-        "seed": args.seed, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
+        "seed": args.seed, "start_step": start, "resumed_from": ckpt and str(ckpt.folder),
+        "checkpoints": saved, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
         "step_times_s": times,
         "units": [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
                    "shard_numel": u.shard_numel, "padding_in_shard": u.padding_in_shard()}
@@ -232,11 +282,17 @@ def setup(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    given = checkpoint.given_options(build_parser(), argv)
     if "RANK" not in os.environ:     # plain `python -m zerolab.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     world_size = int(os.environ["WORLD_SIZE"])
+    ckpt = None
     try:
+        if args.resume:
+            ckpt, notes = check_resume(args, given, world_size)
+            if notes and int(os.environ["RANK"]) == 0:
+                print(f"zerolab.train: resuming with {', '.join(notes)}", flush=True)
         cfg = check_args(args, world_size)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
     except ValueError as err:
@@ -247,7 +303,7 @@ def main(argv=None) -> int:
     try:
         results = []
         for stage in args.stage_list:
-            result = run_stage(stage, args, comm, device, train_tokens, val_tokens)
+            result = run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt)
             out = Path(args.out) / f"stage{stage}"
             out.mkdir(parents=True, exist_ok=True)
             (out / f"rank{comm.rank}.json").write_text(json.dumps(result, indent=1))
