@@ -63,7 +63,7 @@ FORMAT_VERSION = 1
 KEYS = ("params", "master", "exp_avg", "exp_avg_sq")
 MODEL_ARGS = ("preset", "block_size")
 # options a resumed run takes from the checkpoint unless given on its command line
-RESUMED_ARGS = ("stages", *MODEL_ARGS, "batch_size", "grad_accum", "precision", "lr",
+RESUMED_ARGS = ("stages", "steps", *MODEL_ARGS, "batch_size", "grad_accum", "precision", "lr",
                 "weight_decay", "max_grad_norm", "seed", "data", "zero1_grad_op")
 
 
