@@ -370,6 +370,6 @@ def test_when_one_launcher_dies_the_other_exits_with_a_clear_line(tmp_path):
     start = time.monotonic()
     log = _finish(procs[0], 100)
     assert procs[0].returncode != 0
-    assert time.monotonic() - start < 95
+    assert time.monotonic() - start < 90                    # its --timeout
     lines = [l for l in log.splitlines() if l.startswith("zerolab train: error:")]
-    assert len(lines) == 1, log[-3000:]
+    assert len(lines) == 1 and "peer rank went away" in lines[0], log[-3000:]
