@@ -304,7 +304,7 @@ def load(strategy, model, ckpt: Checkpoint, precision_dtype: torch.dtype):
         dtype = precision_dtype if key == "params" else torch.float32
         return u.flatten([ckpt.tensor(names[id(p)], key) for p in u.params], dtype=dtype)
 
-    strategy.load_state(read, ckpt.step)
+    strategy.load_state(read, ckpt.meta.get("optimizer_step", ckpt.step))
     if ckpt.extra:
         with torch.no_grad():
             own = model.state_dict()
@@ -331,17 +331,25 @@ def _full_state_dict(model, value) -> dict[str, torch.Tensor]:
     return out
 
 
-def gather_state_dict(strategy, model, comm) -> dict[str, torch.Tensor]:
-    """Collective: every rank gets the full fp32 state dict (every key of model.state_dict(),
-    tied ones included) built from the fp32 master weights: one all_gather of each unit's
-    owned range (ledger phase "eval"). This is the gather-to-save peak: 4Ψ bytes per rank."""
-    names, shards, logical = param_names(model), strategy.shard_state(), {}
+def gather_flat(strategy, comm, key: str = "master") -> dict[str, torch.Tensor]:
+    """Collective: {unit: [padded_numel]} of state `key` (one of KEYS) on every rank, one
+    all_gather of each unit's owned range (ledger phase "eval"). All four keys at once are what
+    a rank needs to write a consolidated checkpoint itself: 14Ψ bytes (bf16), vs 14Ψ/N sharded."""
+    shards, out = strategy.shard_state(), {}
     with comm.phase("eval"):
         for u in strategy.units:
-            own = shards[u.name]["master"].contiguous()                     # [Ψ_u/N] fp32
-            full = torch.empty(u.padded_numel, dtype=torch.float32, device=own.device)
-            comm.all_gather(full, own, what="params", unit=u.name)          # [Ψ_u] fp32
-            logical.update({names[id(p)]: v for p, v in zip(u.params, u.views(full))})
+            own = shards[u.name][key].contiguous()                          # [Ψ_u/N]
+            out[u.name] = torch.empty(u.padded_numel, dtype=own.dtype, device=own.device)
+            comm.all_gather(out[u.name], own, what="params", unit=u.name)   # [Ψ_u]
+    return out
+
+
+def gather_state_dict(strategy, model, comm) -> dict[str, torch.Tensor]:
+    """Collective: every rank gets the full fp32 state dict (every key of model.state_dict(),
+    tied ones included) built from the fp32 master weights (`gather_flat`): 4Ψ bytes per rank."""
+    names, flats, logical = param_names(model), gather_flat(strategy, comm, "master"), {}
+    for u in strategy.units:
+        logical.update({names[id(p)]: v for p, v in zip(u.params, u.views(flats[u.name]))})
     return _full_state_dict(model, lambda key, name: (logical[name].cpu() if name in logical
                                                        else model.state_dict()[key].float().cpu()))
 
@@ -375,6 +383,27 @@ def optimizer_state_dict(ckpt: Checkpoint, state_dict: dict) -> dict:
         set_adam_state(opt, p, ckpt.tensor(name, "exp_avg"), ckpt.tensor(name, "exp_avg_sq"),
                        ckpt.step)
     return opt.state_dict()
+
+
+def weights_only_copy(src, dst) -> Path:
+    """A copy of checkpoint `src` at `dst` holding only what a rank-0 `torch.save(model.state_dict())`
+    of the bf16 model keeps (the mistake in the bug reports): the fp32 master weights rebuilt
+    from the saved parameters, exp_avg = exp_avg_sq = 0 and AdamW's step count 0 (the data
+    position stays). Resuming from it shows the price: see notebooks/11_checkpoints.ipynb."""
+    ckpt, dst = open_checkpoint(src), Path(dst)
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    files = {}
+    for r, state in enumerate(ckpt.ranks):
+        units = {name: {"params": t["params"].clone(), "master": t["params"].float(),
+                        "exp_avg": torch.zeros_like(t["exp_avg"]),
+                        "exp_avg_sq": torch.zeros_like(t["exp_avg_sq"])}
+                 for name, t in state["units"].items()}
+        torch.save({**state, "units": units}, dst / f"rank{r}.pt")
+        files[f"rank{r}.pt"] = (dst / f"rank{r}.pt").stat().st_size
+    _write_text(dst / "meta.json", json.dumps({**ckpt.meta, "files": files, "optimizer_step": 0},
+                                              indent=1))
+    return dst
 
 
 def consolidate_command(args) -> int:

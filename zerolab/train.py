@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import STRATEGIES, checkpoint, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
-from .memory import MemoryMeter, allocator_peak, cuda_memory_history, padding_bytes
+from .memory import MemoryMeter, allocator_peak, cuda_memory_history, padding_bytes, transient_peak
 from .model import GPT, PRESETS, get_config, num_params
 from .report import compare_rows, format_rows
 
@@ -133,6 +133,12 @@ def check_resume(args, given: set[str], world_size: int):
     return ckpt, notes
 
 
+def held_tensors(model, strategy) -> tuple:
+    """What training holds (model, optimizer, every state tensor): MemTracker's `external`."""
+    return (model, strategy.optimizer, *(t for ts in strategy.state_tensors().values()
+                                         for t in ts if t is not None))
+
+
 def make_strategy(stage, model, comm, args, meter):
     kwargs = dict(max_grad_norm=args.max_grad_norm, meter=meter, lr=args.lr,
                   weight_decay=args.weight_decay)
@@ -210,8 +216,10 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
                     "losses": history + losses}
             meta["args"]["stages"] = str(stage)
             crash = args.crash_in_save if step + 1 == args.steps else None
-            saved.append(str(checkpoint.save(strategy, model, Path(args.out) / f"stage{stage}" /
-                                             "checkpoints", step + 1, meta, crash_rank=crash)))
+            folder, save_peak = transient_peak(lambda: checkpoint.save(
+                strategy, model, Path(args.out) / f"stage{stage}" / "checkpoints", step + 1, meta,
+                crash_rank=crash), device, held_tensors(model, strategy))
+            saved.append(str(folder))
             if rank == 0:
                 print(f"[stage {stage}] saved {saved[-1]}", flush=True)
 
@@ -226,13 +234,21 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         with comm.phase("eval"):
             comm.all_reduce(val, what="metric", unit="val_loss")
     if args.save_params:            # every rank gathers the fp32 masters, rank 0 writes
-        params = checkpoint.gather_state_dict(strategy, model, comm)
+        params, gather_peak = transient_peak(
+            lambda: checkpoint.gather_state_dict(strategy, model, comm), device,
+            held_tensors(model, strategy))
         if rank == 0:
             path = Path(args.out) / f"stage{stage}" / "params.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(params, path)
-        del params
+        del params              # for comparison: gathering the whole training state to save it
+        _, full_peak = transient_peak(lambda: {k: checkpoint.gather_flat(strategy, comm, k)
+                                               for k in checkpoint.KEYS}, device,
+                                      held_tensors(model, strategy))
     last = args.steps - 1
+    checkpoint_memory = {"sharded_save_peak": save_peak if saved else None,
+                         "gather_weights_peak": gather_peak if args.save_params else None,
+                         "gather_all_states_peak": full_peak if args.save_params else None}
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
     return {
         "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank, "world_size": n,
@@ -249,7 +265,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
                   for u in strategy.units],
         "memory": {"model_states": measured_state, "model_states_total": sum(measured_state.values()),
                    "padding": padding_bytes(strategy.units, stage, args.precision),
-                   **memory, "allocator": allocator},
+                   **memory, "allocator": allocator, "checkpoint": checkpoint_memory},
         "theory": {
             "model_states": theory.model_state_bytes(psi, n, stage, args.precision),
             "model_states_padded": theory.model_state_bytes(psi_padded, n, stage, args.precision),
