@@ -146,6 +146,8 @@ def check_launch(args) -> tuple[str, str]:
 
 def launch(args, stages: str) -> None:
     backend, device = check_launch(args)
+    if getattr(args, "resume", None):
+        stages = args.stages                # check_launch took it from the checkpoint if not given
     print(f"zerolab: {args.nproc * args.nnodes} rank(s), {backend} on {device}, stages {stages}, "
           f"preset {args.preset}", flush=True)
     run_torchrun(_train_argv(args, stages, args.out, backend, device), args.nproc,
