@@ -373,3 +373,11 @@ def test_when_one_launcher_dies_the_other_exits_with_a_clear_line(tmp_path):
     assert time.monotonic() - start < 90                    # its --timeout
     lines = [l for l in log.splitlines() if l.startswith("zerolab train: error:")]
     assert len(lines) == 1 and "peer rank went away" in lines[0], log[-3000:]
+
+
+def test_negative_save_every_is_refused_before_any_launch(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("a launch started"))
+    code = cli.main(["train", "--save-every", "-1", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--save-every -1" in err[0], err
+    assert not (tmp_path / "o").exists()

@@ -105,8 +105,9 @@ def check_args(args, world_size: int):
     if args.batch_size % (world_size * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
                          f"{world_size} x --grad-accum {args.grad_accum}")
-    if args.save_every is not None and args.save_every < 0:
-        raise ValueError(f"--save-every {args.save_every} must be >= 0 (0: only at the end)")
+    save_every = getattr(args, "save_every", None)          # `zerolab compare` has none
+    if save_every is not None and save_every < 0:
+        raise ValueError(f"--save-every {save_every} must be >= 0 (0: only at the end)")
     return cfg
 
 
