@@ -59,7 +59,8 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--zero3-prefetch", action="store_true",
                    help="ZeRO-3: gather the next block while the current one computes")
     p.add_argument("--save-params", action="store_true",
-                   help="save each stage's final parameters to OUT/stage{S}/params.pt")
+                   help="save each stage's final fp32 weights (every key of GPT.state_dict()) "
+                   "to OUT/stage{S}/params.pt")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the run is killed")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun: number of nodes")
     p.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank")

@@ -5,6 +5,8 @@ trains `--steps` optimizer steps on its own rows of each global batch, and write
 (memory, measured and theory) and what it moved (the comm ledger) to its own JSON file. Several
 stages can run one after another in one launch (`--stages 0,1,2,3`), which is what
 `zerolab compare` does: same seed, same data, one process start-up.
+`--save-every K` writes a sharded checkpoint every K steps and at the end, `--resume DIR`
+continues from one, at any world size and stage (zerolab/checkpoint.py).
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 -m zerolab.train \\
         --stages 0,1,2,3 --preset tiny --steps 5 --out runs/compare
