@@ -381,3 +381,13 @@ def test_negative_save_every_is_refused_before_any_launch(tmp_path, capsys, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--save-every -1" in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_consolidate_of_a_broken_checkpoint_is_one_line(ref, tmp_path, capsys):
+    ckpt = tmp_path / "step_000002"
+    shutil.copytree(ckpt_dir(ref[0], 2), ckpt)
+    (ckpt / "rank2.pt").unlink()
+    code = cli.main(["checkpoint", "consolidate", str(ckpt), str(tmp_path / "m.pt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "rank2.pt" in err[0], err
+    assert not (tmp_path / "m.pt").exists()
