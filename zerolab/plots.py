@@ -358,7 +358,7 @@ def same_training(runs_by_precision: dict[str, dict[int, list[dict]]]):
         styles = ["-", "--", "-.", ":"]
         for k, s in enumerate(sorted(runs)):
             losses = runs[s][0]["losses"]
-            ax.plot(range(1, len(losses) + 1), losses, styles[k % 4], marker="o", ms=11 - 2.5 * k,
+            ax.plot(range(1, len(losses) + 1), losses, styles[k % 4], marker="o", ms=13 - 3 * k,
                     label=f"{theory.STAGE_NAMES[s]} (max |Δ| to {theory.STAGE_NAMES[min(runs)]} "
                           f"{max(abs(a - b) for a, b in zip(losses, base)):.1e})")
         n = len(base)
@@ -367,6 +367,6 @@ def same_training(runs_by_precision: dict[str, dict[int, list[dict]]]):
         ax.set_title(f"{prec}: loss per step, same seed and data", fontsize=FONT + 1)
         ax.set_xlabel("step", fontsize=FONT)
         ax.set_ylabel("loss", fontsize=FONT)
-        _legend_below(ax, ncol=2, offset=-0.16)
+        _legend_below(ax, ncol=1, offset=-0.14)
     fig.tight_layout()
     return fig
