@@ -47,9 +47,23 @@ def _title(runs) -> str:
 
 # --- lab 1 ---------------------------------------------------------------------------------------
 def _legend_below(ax, ncol=3, offset=-0.16):
-    """Legend under the axes (never over bars or values)."""
-    ax.legend(fontsize=FONT, ncol=ncol, loc="upper center", bbox_to_anchor=(0.5, offset),
-              frameon=False)
+    """Legend under the axes (never over bars or values); collectives in the course's order."""
+    handles, labels = ax.get_legend_handles_labels()
+    order = {op: i for i, op in enumerate(COLLECTIVE_COLORS)}
+    pairs = sorted(zip(handles, labels), key=lambda hl: order.get(hl[1], -1))
+    ax.legend(*zip(*pairs) if pairs else ([], []), fontsize=FONT, ncol=ncol, loc="upper center",
+              bbox_to_anchor=(0.5, offset), frameon=False)
+
+
+def identical_style(k: int) -> dict:
+    """Marker style of the k-th of several curves that may coincide: hollow markers of different
+    shapes and sizes, so that every curve stays visible where they lie on top of each other."""
+    return {"marker": "osD^x"[k % 5], "ms": max(5, 15 - 3 * k), "mfc": "none", "mew": 2}
+
+
+def _wrap(name: str) -> str:
+    """"ZeRO-1 (reduce_scatter)" -> two lines, so that neighbouring tick labels do not collide."""
+    return name.replace(" (", "\n(")
 
 
 def memory_by_stage(runs: dict[int, list[dict]]):
@@ -104,7 +118,7 @@ def memory_by_stage(runs: dict[int, list[dict]]):
         r = max(runs[s], key=lambda r: (r["memory"].get("allocator") or {}).get("peak_absolute") or 0)
         states = r["memory"]["model_states_total"] / MB
         trans = sum(r["memory"]["peak"].get(c, 0) for c in TRANSIENT) / MB
-        ax2.bar(i - width / 2, states, width, color="#55A868", label="model states" if i == 0 else None)
+        ax2.bar(i - width / 2, states, width, color="0.45", label="model states (meter)" if i == 0 else None)
         if trans:
             ax2.bar(i - width / 2, trans, width, bottom=states, color="#DD8452", alpha=0.35, hatch="xx",
                     label="transient peaks (meter)" if not _has_label(ax2, "transient peaks (meter)") else None)
@@ -120,17 +134,16 @@ def memory_by_stage(runs: dict[int, list[dict]]):
                             label=f"MemTracker {k}" if not _has_label(ax2, f"MemTracker {k}") else None)
                     bottom += v / MB
         elif peak:                           # CUDA: absolute peak; the rest is activations etc.
-            ax2.bar(i + width / 2, states + trans, width, color="#55A868", alpha=0.5)
+            ax2.bar(i + width / 2, states + trans, width, color="0.45", alpha=0.5)
             ax2.bar(i + width / 2, max(0.0, peak - states - trans), width, bottom=states + trans,
                     color="0.5", alpha=0.6, label="activations, temporaries" if i == 0 else None)
         if peak:
             ax2.text(i + width / 2, peak, f"{peak:.2f}", ha="center", va="bottom", fontsize=FONT)
     src = (next(iter(runs.values()))[0]["memory"].get("allocator") or {}).get("source", "allocator")
-    ax2.set_xticks(range(len(stages)), [f"{theory.STAGE_NAMES[s]}\nmeter | {src}" for s in stages],
-                   fontsize=FONT)
+    ax2.set_xticks(range(len(stages)), [theory.STAGE_NAMES[s] for s in stages], fontsize=FONT)
     ax2.tick_params(axis="y", labelsize=FONT)
     ax2.margins(y=0.12)
-    ax2.set_title(f"peak of the last step (busiest rank): meter vs {src}", fontsize=FONT + 1)
+    ax2.set_title(f"peak of the last step (busiest rank)\nleft bar: meter, right bar: {src}", fontsize=FONT + 1)
     ax2.set_ylabel("MB (1e6 bytes)", fontsize=FONT)
     _legend_below(ax2, ncol=3, offset=-0.17)
     fig.suptitle(_title(runs), fontsize=FONT + 2)
@@ -163,12 +176,12 @@ def traffic_by_stage(rows: list[dict]):
             bm, bf = bm + m, bf + f
         two_psi = 2 * row["num_params_padded"]
         ax.text(i - width / 2, bm, f"{bm * MB / two_psi:.2f}·2Ψ", ha="center", va="bottom", fontsize=FONT)
-    ax.set_xticks(range(len(rows)), [f"{r['name']}\nmeas | formula" for r in rows], fontsize=FONT)
+    ax.set_xticks(range(len(rows)), [f"{_wrap(r['name'])}\nmeas | formula" for r in rows], fontsize=FONT)
     ax.tick_params(axis="y", labelsize=FONT)
     ax.margins(y=0.12)
     ax.set_title("bytes sent per rank per step (ring algorithm); hatched: formula", fontsize=FONT + 1)
     ax.set_ylabel("MB (1e6 bytes)", fontsize=FONT)
-    _legend_below(ax, ncol=3, offset=-0.2)
+    _legend_below(ax, ncol=3, offset=-0.24)
     ops = [op for op in COLLECTIVES if any(op in r["timing"] for r in rows)]
     bw = 0.8 / max(1, len(ops))
     samples = 0
@@ -185,12 +198,12 @@ def traffic_by_stage(rows: list[dict]):
             ax2.errorbar(x, med, yerr=[[med - xs[0]], [xs[-1] - med]], color="k", capsize=3, lw=1)
     backend = rows[0]["backend"] if rows else ""
     note = "\n(gloo: reduce_scatter runs as an all_reduce)" if backend == "gloo" else ""
-    ax2.set_xticks(range(len(rows)), [r["name"] for r in rows], fontsize=FONT)
+    ax2.set_xticks(range(len(rows)), [_wrap(r["name"]) for r in rows], fontsize=FONT)
     ax2.tick_params(axis="y", labelsize=FONT)
-    ax2.set_title(f"wall time per step in each collective, {backend}: median and range (bar) over "
-                  f"{samples} (rank, step) samples{note}", fontsize=FONT + 1)
+    ax2.set_title(f"wall time per step in each collective ({backend}): median, and range (error bar)\n"
+                  f"over {samples} (rank, step) samples; machine-dependent{note}", fontsize=FONT + 1)
     ax2.set_ylabel("ms per step", fontsize=FONT)
-    _legend_below(ax2, ncol=3, offset=-0.2)
+    _legend_below(ax2, ncol=3, offset=-0.24)
     fig.tight_layout()
     return fig
 
@@ -219,7 +232,7 @@ def collective_timeline(runs: dict[int, list[dict]], rank: int = 0):
     ax.set_xlabel("collectives of one step, in issue order (background / small letter: "
                   "f = forward, b = backward, s = step)", fontsize=FONT)
     ax.set_title(f"one training step, rank {rank}: {_title(runs)}", fontsize=FONT + 1)
-    _legend_below(ax, ncol=4, offset=-0.25 if len(stages) > 2 else -0.4)
+    _legend_below(ax, ncol=4, offset=-0.16 if len(stages) > 2 else -0.35)
     fig.tight_layout()
     return fig
 
@@ -358,9 +371,10 @@ def same_training(runs_by_precision: dict[str, dict[int, list[dict]]]):
         styles = ["-", "--", "-.", ":"]
         for k, s in enumerate(sorted(runs)):
             losses = runs[s][0]["losses"]
-            ax.plot(range(1, len(losses) + 1), losses, styles[k % 4], marker="o", ms=13 - 3 * k,
-                    label=f"{theory.STAGE_NAMES[s]} (max |Δ| to {theory.STAGE_NAMES[min(runs)]} "
-                          f"{max(abs(a - b) for a, b in zip(losses, base)):.1e})")
+            label = (f"{theory.STAGE_NAMES[s]} (reference)" if s == min(runs) else
+                     f"{theory.STAGE_NAMES[s]} (max |Δ| to {theory.STAGE_NAMES[min(runs)]} "
+                     f"{max(abs(a - b) for a, b in zip(losses, base)):.1e})")
+            ax.plot(range(1, len(losses) + 1), losses, styles[k % 4], label=label, **identical_style(k))
         n = len(base)
         ax.set_xticks(range(1, n + 1) if n <= 12 else range(1, n + 1, max(1, n // 10)))
         ax.tick_params(labelsize=FONT)

@@ -76,17 +76,16 @@ def plot_compare(runs: dict[int, list[dict]], path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plots import COLLECTIVE_COLORS, FONT, STATE_COLORS
+    from .plots import COLLECTIVE_COLORS, FONT, STATE_COLORS, identical_style
 
     fig, (ax_loss, ax_mem, ax_net) = plt.subplots(1, 3, figsize=(16, 5.2))
     stages = sorted(runs)
     for i, s in enumerate(stages):   # decreasing marker sizes: identical curves stay visible
         losses = runs[s][0]["losses"]
-        ax_loss.plot(range(1, len(losses) + 1), losses, marker="o", markersize=13 - 3 * i,
-                     label=theory.STAGE_NAMES[s])
+        ax_loss.plot(range(1, len(losses) + 1), losses, label=theory.STAGE_NAMES[s], **identical_style(i))
     steps = len(runs[stages[0]][0]["losses"])
     ax_loss.set_xticks(range(1, steps + 1) if steps <= 12 else range(1, steps + 1, max(1, steps // 10)))
-    ax_loss.set_title("loss per step (same data and seed;\nmarkers shrink so identical curves stay visible)",
+    ax_loss.set_title("loss per step (same data and seed;\nhollow markers: curves on top of each other stay visible)",
                       fontsize=FONT + 1)
     ax_loss.set_xlabel("step", fontsize=FONT)
     ax_loss.set_ylabel("loss", fontsize=FONT)
