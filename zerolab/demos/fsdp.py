@@ -3,9 +3,13 @@
 Idea (notebooks/08_fsdp.ipynb): PyTorch's FSDP is an implementation of ZeRO. `fully_shard` with
 `reshard_after_forward=True` frees each block's gathered weights after forward and gathers them
 again for backward (FULL_SHARD, ZeRO-3); with `False` it keeps them until backward is done
-(SHARD_GRAD_OP, ZeRO-2). This program trains zerolab's ZeRO-2 / ZeRO-3 and FSDP2 in both modes,
-plus a single-process AdamW reference, one after another from the same seed and batches, all in
-fp32 so that the losses can be compared to rounding. A small TorchDispatchMode sees every c10d
+(SHARD_GRAD_OP: ZeRO-2's traffic, but it reshards after backward, so between steps it holds
+ZeRO-3's bytes). This program trains zerolab's ZeRO-2 / ZeRO-3, FSDP2 in both modes (and the
+default), torch's ZeRO-1 (DDP + `ZeroRedundancyOptimizer`) and a single-process AdamW reference,
+one after another from the same seed and batches, all in fp32 so that the losses can be compared
+to rounding. Every run samples the bytes of weights, gradients and exp_avg / exp_avg_sq its rank
+holds (`torch_held` / `zerolab_held`, at each block's start and after forward, backward and the
+step): what is held between steps and the peak within a step. A small TorchDispatchMode sees every c10d
 collective (zerolab's and FSDP2's alike) with its size and process group: an independent count
 next to zerolab's ledger. With `--replicate 2` (4 ranks) it then also builds FSDP2's hybrid
 layout: a 2-D mesh (replicate, shard), parameters sharded within a group of 2 and replicated
