@@ -62,6 +62,7 @@ from .sharding import make_optimizer, set_adam_state
 FORMAT_VERSION = 1
 KEYS = ("params", "master", "exp_avg", "exp_avg_sq")
 MODEL_ARGS = ("preset", "block_size")
+RUNTIME_CONFIG = ("activation_checkpointing",)   # GPTConfig fields that change no parameter
 # options a resumed run takes from the checkpoint unless given on its command line
 RESUMED_ARGS = ("stages", "steps", *MODEL_ARGS, "batch_size", "grad_accum", "precision", "lr",
                 "weight_decay", "max_grad_norm", "seed", "data", "zero1_grad_op")
@@ -250,7 +251,8 @@ def open_checkpoint(path) -> Checkpoint:
 def check_compatible(ckpt: Checkpoint, cfg: GPTConfig):
     """ValueError (one line) when the run's model config `cfg` is not the checkpoint's."""
     saved = ckpt.meta["model_config"]
-    diff = {k: (saved.get(k), v) for k, v in cfg.__dict__.items() if saved.get(k) != v}
+    diff = {k: (saved.get(k), v) for k, v in cfg.__dict__.items()
+            if saved.get(k) != v and k not in RUNTIME_CONFIG}
     if diff:
         what = ", ".join(f"{k} {a} (this run: {b})" for k, (a, b) in diff.items())
         preset = ckpt.meta["args"].get("preset")
