@@ -147,11 +147,8 @@ def check_launch(args) -> tuple[str, str]:
     backend, device = resolve(args.nproc, args.backend, args.device, args.nnodes)
     if getattr(args, "resume", None):       # fills the options not given from the checkpoint
         from .checkpoint import given_options
-        from .train import check_resume
-        _, notes = check_resume(args, given_options(build_parser(), args.argv),
-                                args.nproc * args.nnodes)
-        if notes:
-            print(f"zerolab: resuming with {', '.join(notes)}", flush=True)
+        from .train import check_resume     # (rank 0 prints what differs from the checkpoint)
+        check_resume(args, given_options(build_parser(), args.argv), args.nproc * args.nnodes)
     load_tokens(args.data, check_args(args, args.nproc * args.nnodes).block_size)
     return backend, device
 
