@@ -78,7 +78,8 @@ def unit_layout(units, model) -> list[dict]:
     [parameter name, shape] in flat order."""
     names = param_names(model)
     return [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
-             "shard_numel": u.shard_numel, "params": [[names[id(p)], list(p.shape)] for p in u.params]}
+             "shard_numel": u.shard_numel,
+             "params": [[names[id(p)], list(p.shape)] for p in u.params]}
             for u in units]
 
 
@@ -295,7 +296,8 @@ def load(strategy, model, ckpt: Checkpoint, precision_dtype: torch.dtype):
     step = ckpt.step. Saved parameters are used when their dtype is the run's, else the fp32
     master weights are cast (exactly what the step does). Restores this rank's RNG state."""
     names = param_names(model)
-    missing = [names[id(p)] for u in strategy.units for p in u.params if names[id(p)] not in ckpt.index]
+    missing = [names[id(p)] for u in strategy.units for p in u.params
+               if names[id(p)] not in ckpt.index]
     if missing:
         raise ValueError(f"checkpoint {str(ckpt.folder)!r} has no state for {missing[0]!r}")
     saved_dtype = ckpt.ranks[0]["units"][ckpt.meta["units"][0]["name"]]["params"].dtype
@@ -388,8 +390,8 @@ def optimizer_state_dict(ckpt: Checkpoint, state_dict: dict) -> dict:
 
 
 def weights_only_copy(src, dst) -> Path:
-    """A copy of checkpoint `src` at `dst` holding only what a rank-0 `torch.save(model.state_dict())`
-    of the bf16 model keeps (the mistake in the bug reports): the fp32 master weights rebuilt
+    """A copy of checkpoint `src` at `dst` holding only what a rank-0
+    `torch.save(model.state_dict())` of the bf16 model keeps (the mistake in the bug reports): the fp32 master weights rebuilt
     from the saved parameters, exp_avg = exp_avg_sq = 0 and AdamW's step count 0 (the data
     position stays). Resuming from it shows the price: see notebooks/11_checkpoints.ipynb."""
     ckpt, dst = open_checkpoint(src), Path(dst)
@@ -441,11 +443,14 @@ def consolidate_command(args) -> int:
 
 def add_parser(sub) -> None:
     """The `zerolab checkpoint` sub-command and its `consolidate` action (for cli.py)."""
-    ck = sub.add_parser("checkpoint", help="work with saved checkpoints (zerolab train --save-every)")
+    ck = sub.add_parser("checkpoint",
+                        help="work with saved checkpoints (zerolab train --save-every)")
     actions = ck.add_subparsers(dest="action", required=True)
     c = actions.add_parser("consolidate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                           help="offline: full fp32 state dict for a plain GPT (like zero_to_fp32.py)")
-    c.add_argument("dir", help="a step_* folder, OUT/stage{S}/checkpoints (its latest) or OUT/stage{S}")
+                           help="offline: full fp32 state dict for a plain GPT "
+                           "(like zero_to_fp32.py)")
+    c.add_argument("dir", help="a step_* folder, OUT/stage{S}/checkpoints (its latest) or "
+                   "OUT/stage{S}")
     c.add_argument("out", help="output file: torch.save'd state dict (weights_only-loadable)")
     c.add_argument("--safetensors", action="store_true", help="write OUT with safetensors instead")
     c.add_argument("--optimizer", default=None, metavar="PATH",
