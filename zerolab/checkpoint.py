@@ -391,9 +391,10 @@ def optimizer_state_dict(ckpt: Checkpoint, state_dict: dict) -> dict:
 
 def weights_only_copy(src, dst) -> Path:
     """A copy of checkpoint `src` at `dst` holding only what a rank-0
-    `torch.save(model.state_dict())` of the bf16 model keeps (the mistake in the bug reports): the fp32 master weights rebuilt
-    from the saved parameters, exp_avg = exp_avg_sq = 0 and AdamW's step count 0 (the data
-    position stays). Resuming from it shows the price: see notebooks/11_checkpoints.ipynb."""
+    `torch.save(model.state_dict())` of the bf16 model keeps (the mistake in the bug reports):
+    the fp32 master weights rebuilt from the saved parameters, exp_avg = exp_avg_sq = 0 and
+    AdamW's step count 0 (the data position stays). Resuming from it shows the price: see
+    notebooks/11_checkpoints.ipynb. Returns `dst`."""
     ckpt, dst = open_checkpoint(src), Path(dst)
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
