@@ -18,7 +18,8 @@ flat buffer must not blur:
 of the flat master, gradient, exp_avg and exp_avg_sq buffers, once for the decayed parameters
 and once for the others, skipping the parameters that `used` marks False. The state stays flat:
 `state[master] = {"exp_avg": [M] fp32, "exp_avg_sq": [M] fp32, "step": [P] fp32}`, with one step
-count per parameter of the unit (P of them), as torch keeps one per parameter.
+count per parameter of the unit (P of them), as torch keeps one per parameter. A scalar "step"
+(what zerolab.checkpoint restores) is taken as the count of every parameter.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ class FlatAdamW(torch.optim.AdamW):
                 state["step"] = torch.zeros(len(self.segments[k]), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+            if state["step"].dim() == 0:        # one count for all (a resumed checkpoint's)
+                state["step"] = state["step"].float().expand(len(self.segments[k])).clone()
             for j, ((lo, hi), decay) in enumerate(self.segments[k]):
                 if hi <= lo or (used is not None and not used[k][j]):
                     continue
