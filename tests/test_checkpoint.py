@@ -237,8 +237,10 @@ def _torch_reference_losses(state_dict, optim_state, steps, batch=12):
     cfg = get_config("nano")
     model = GPT(cfg)
     model.load_state_dict(state_dict, strict=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.1)
+    params = list(model.parameters())           # the GPT-2 / nanoGPT groups zerolab trains with
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     opt.load_state_dict(optim_state)
     tokens, _ = load_tokens(None, cfg.block_size)
     losses = []

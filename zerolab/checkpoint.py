@@ -79,7 +79,7 @@ def unit_layout(units, model) -> list[dict]:
     names = param_names(model)
     return [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
              "shard_numel": u.shard_numel,
-             "params": [[names[id(p)], list(p.shape)] for p in u.params]}
+             "params": [[names[id(p)], list(shape)] for p, shape in zip(u.params, u.shapes)]}
             for u in units]
 
 
@@ -311,7 +311,7 @@ def load(strategy, model, ckpt: Checkpoint, precision_dtype: torch.dtype):
     strategy.load_state(read, ckpt.meta.get("optimizer_step", ckpt.step))
     if ckpt.extra:
         with torch.no_grad():
-            own = model.state_dict()
+            own = model.state_dict(keep_vars=True)      # live tensors (ZeRO-3: no copy needed)
             for k, v in ckpt.extra.items():
                 own[k].copy_(v)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -355,7 +355,8 @@ def gather_state_dict(strategy, model, comm) -> dict[str, torch.Tensor]:
     for u in strategy.units:
         logical.update({names[id(p)]: v for p, v in zip(u.params, u.views(flats[u.name]))})
     return _full_state_dict(model, lambda key, name: (logical[name].cpu() if name in logical
-                                                       else model.state_dict()[key].float().cpu()))
+                                                       else model.state_dict(keep_vars=True)[key]
+                                                       .detach().float().cpu()))
 
 
 def consolidate(path) -> tuple[dict[str, torch.Tensor], Checkpoint]:
@@ -376,9 +377,10 @@ def consolidate(path) -> tuple[dict[str, torch.Tensor], Checkpoint]:
 
 
 def optimizer_state_dict(ckpt: Checkpoint, state_dict: dict) -> dict:
-    """The AdamW state in torch's own `optimizer.state_dict()` layout for
-    torch.optim.AdamW(GPT(config).parameters(), ...) with the run's lr / weight_decay (params
-    numbered in model.parameters() order, "step" = ckpt.step)."""
+    """The AdamW state in torch's own `optimizer.state_dict()` layout for torch.optim.AdamW over
+    GPT(config)'s parameters in the two groups zerolab trains with (`sharding.make_optimizer`:
+    2-D weights with the run's weight_decay, then the others with none; params numbered group
+    by group in model.parameters() order, "step" = ckpt.step)."""
     model = GPT(GPTConfig(**ckpt.meta["model_config"]))
     model.load_state_dict(state_dict)
     args = ckpt.meta["args"]

@@ -221,7 +221,8 @@ class ZeRO3:
                 self._free(u)
 
     def _check_gathered(self, module, prefix, keep_vars):
-        if not self.pinned:
+        # keep_vars=True asks for the live parameters themselves (empty tensors here): allowed
+        if not self.pinned and not keep_vars:
             raise RuntimeError("ZeRO-3 holds only shards of the weights: call state_dict() "
                                "inside `with strategy.gathered():` (on every rank)")
 
