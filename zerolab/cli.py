@@ -75,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     mem.add_argument("--optimizer-bytes", type=float, default=None, help="K (default 12)")
 
+    tm = sub.add_parser("time", formatter_class=HELP, help="per-stage step time from the cost model (costmodel.py)")
+    tm.add_argument("--params", type=_positive_float, default=7.5e9, help="Ψ, e.g. 7.5e9")
+    tm.add_argument("--world-size", type=int, default=64, help="data-parallel ranks N")
+    tm.add_argument("--tokens-per-rank", type=_positive_float, default=4096, help="tokens per rank per step")
+    tm.add_argument("--blocks", type=int, default=32, help="equal blocks (ZeRO-3 gathers one at a time)")
+    tm.add_argument("--link", default="ib-ndr", help="nvlink3, nvlink4, nvlink5, pcie4, pcie5, ib-ndr, ib-hdr, 100gbe, 25gbe")
+    tm.add_argument("--link-gbps", type=_positive_float, default=None, help="custom bandwidth, Gb/s per rank per direction")
+    tm.add_argument("--link-latency-us", type=float, default=None, help="custom α, us per ring step")
+    tm.add_argument("--device", default="h100", help="h100, h200, a100")
+    tm.add_argument("--device-tflops", type=_positive_float, default=None, help="custom peak, TFLOP/s")
+    tm.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak reached (MFU)")
+    tm.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
     _add_launch_args(train, "0", 2, "tiny", 5)
     train.add_argument("--out", default="runs/train", help="writes OUT/stage{S}/rank{r}.json")
@@ -103,6 +116,16 @@ def cmd_memory(args) -> int:
             label = theory.STAGE_NAMES[stage] + (f" ({op})" if stage == 1 else "")
             parts = ", ".join(f"{k} {v / 1e9:.4g}" for k, v in t.items() if v)
             print(f"  {label:<26} {sum(t.values()) / 1e9:>9.4g}   = {parts or 'none'}")
+    return 0
+
+
+def cmd_time(args) -> int:
+    from . import costmodel
+    theory.check_world_size(args.world_size)
+    link = costmodel.get_link(args.link, args.link_gbps, args.link_latency_us)
+    device = costmodel.get_device(args.device, args.device_tflops)
+    print(costmodel.format_time_table(args.params, args.world_size, args.tokens_per_rank, link, device,
+                                      args.blocks, args.precision, args.efficiency))
     return 0
 
 
@@ -164,7 +187,7 @@ def cmd_labs(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare,
+        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare, "time": cmd_time,
                 "labs": cmd_labs}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
