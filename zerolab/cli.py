@@ -88,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak reached (MFU)")
     tm.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
 
+    wi = sub.add_parser("whatif", formatter_class=HELP, help="one rank of a large world on a fake process group (whatif.py)")
+    wi.add_argument("--preset", default="1b", help="nano, tiny, small, gpt2, medium, 1b")
+    wi.add_argument("--world-size", type=int, default=1024, help="data-parallel ranks N")
+    wi.add_argument("--rank", type=int, default=0, help="which rank to run")
+    wi.add_argument("--stage", "--stages", dest="stages", default="0,1,2,3", help="stage or comma list")
+    wi.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    wi.add_argument("--tokens-per-rank", type=_positive_float, default=4096, help="for the time model")
+    wi.add_argument("--link", default="ib-ndr", help="a costmodel.LINKS name")
+    wi.add_argument("--device", default="h100", help="a costmodel.DEVICES name")
+
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
     _add_launch_args(train, "0", 2, "tiny", 5)
     train.add_argument("--out", default="runs/train", help="writes OUT/stage{S}/rank{r}.json")
@@ -126,6 +136,17 @@ def cmd_time(args) -> int:
     device = costmodel.get_device(args.device, args.device_tflops)
     print(costmodel.format_time_table(args.params, args.world_size, args.tokens_per_rank, link, device,
                                       args.blocks, args.precision, args.efficiency))
+    return 0
+
+
+def cmd_whatif(args) -> int:
+    from . import costmodel, whatif
+    from .train import parse_stages
+    theory.check_world_size(args.world_size)
+    link, device = costmodel.get_link(args.link), costmodel.get_device(args.device)
+    reports = whatif.whatif(args.preset, args.world_size, parse_stages(args.stages), rank=args.rank,
+                            precision=args.precision)
+    print(whatif.format_whatif(reports, link, device, args.tokens_per_rank, args.precision))
     return 0
 
 
@@ -187,7 +208,7 @@ def cmd_labs(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare, "time": cmd_time,
+        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare, "time": cmd_time, "whatif": cmd_whatif,
                 "labs": cmd_labs}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
