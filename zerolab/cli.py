@@ -21,7 +21,8 @@ from .launch import LaunchError, resolve, run_torchrun
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
-               "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout")
+               "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout", "link_gbps",
+               "link_latency_us")
 
 
 def _positive_float(text):
@@ -60,6 +61,9 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--save-params", action="store_true",
                    help="save each stage's final parameters to OUT/stage{S}/params.pt")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the run is killed")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="emulate a link of this many Gb/s per rank (gloo): see zerolab/linkemu.py")
+    p.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun: number of nodes")
     p.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank")
     p.add_argument("--rdzv-endpoint", default=None, help="torchrun: HOST:PORT of the first node")

@@ -103,6 +103,7 @@ class Comm:
         self.records: list[Record] = []
         self.step = 0
         self.current_phase = "setup"
+        self.link = None        # a linkemu.LinkEmulator: collectives end no sooner than its model
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -169,6 +170,8 @@ class Comm:
             events[0].record()
         handle = Handle(work=None, record=record, started=time.perf_counter(), events=events)
         handle.work = call()
+        if self.link is not None:
+            handle.work = self.link.issue(handle.work, op, size)
         if not async_op:
             handle.wait()
         return handle

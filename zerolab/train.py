@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import STRATEGIES, theory
+from . import STRATEGIES, linkemu, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
 from .memory import MemoryMeter, allocator_peak, cuda_memory_history, padding_bytes
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-allocator", action="store_true",
                    help="skip the allocator / MemTracker cross-check on the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait")
+    p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this many "
+                   "Gb/s per rank (linkemu.py; gloo only): collectives end no sooner than the model")
+    p.add_argument("--link-latency-us", type=float, default=None,
+                   help="emulated link latency α, microseconds per ring step (with --link-gbps)")
     p.add_argument("--crash-rank", type=int, default=None, help=argparse.SUPPRESS)  # tests: this
     return p                                                                         # rank raises
 
@@ -192,6 +196,8 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
         "zero3_prefetch": args.zero3_prefetch if stage == 3 else None,
+        "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
+                 if args.link_gbps is not None else None),
         "seed": args.seed, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
         "step_times_s": times,
         "units": [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
@@ -239,11 +245,15 @@ def main(argv=None) -> int:
     try:
         cfg = check_args(args, world_size)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
+        link = linkemu.from_args(args.link_gbps, args.link_latency_us, world_size)
+        if link is not None and args.backend != "gloo":
+            raise ValueError(f"--link-gbps emulates a link for gloo only, not --backend {args.backend}")
     except ValueError as err:
         if int(os.environ["RANK"]) == 0:
             print(f"zerolab.train: error: {err}", file=sys.stderr)
         return 2
     comm, device = setup(args)
+    comm.link = link
     try:
         results = []
         for stage in args.stage_list:
