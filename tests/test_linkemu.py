@@ -151,3 +151,14 @@ def test_from_args_checks_its_input():
     for bad in ((None, 5.0), (0.0, None), (1.0, -1.0)):
         with pytest.raises(ValueError):
             from_args(*bad, 2)
+
+
+@pytest.mark.parametrize("argv,name", [(["--link-gbps", "0"], "0"),
+                                       (["--link-latency-us", "5"], "--link-latency-us 5"),
+                                       (["--link-gbps", "1", "--link-latency-us", "-2"], "-2")])
+def test_cli_refuses_a_bad_link_before_any_rank_starts(argv, name, tmp_path, capsys, monkeypatch):
+    from zerolab import cli
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("launched"))
+    code = cli.main(["train", "--nproc", "2", "--preset", "nano", "--out", str(tmp_path / "o"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and name in err[0], err

@@ -73,4 +73,8 @@ def from_args(gbps: float | None, latency_us: float | None, world_size: int) -> 
         if latency_us is not None:
             raise ValueError(f"--link-latency-us {latency_us} needs --link-gbps (the bandwidth)")
         return None
+    if not gbps > 0:
+        raise ValueError(f"--link-gbps {gbps} must be > 0 (gigabits per second per rank)")
+    if latency_us is not None and not latency_us >= 0:
+        raise ValueError(f"--link-latency-us {latency_us} must be >= 0 (microseconds per ring step)")
     return LinkEmulator(costmodel.get_link(gbps=gbps, latency_us=latency_us or 0.0), world_size)

@@ -98,6 +98,8 @@ def check_args(args, world_size: int):
     for name in ("lr", "timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name} {getattr(args, name)} must be > 0")
+    linkemu.from_args(getattr(args, "link_gbps", None), getattr(args, "link_latency_us", None),
+                      world_size)          # ValueError for a bad emulated link
     if args.batch_size % (world_size * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
                          f"{world_size} x --grad-accum {args.grad_accum}")
