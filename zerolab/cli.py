@@ -64,6 +64,8 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--link-gbps", type=float, default=None,
                    help="emulate a link of this many Gb/s per rank (gloo): see zerolab/linkemu.py")
     p.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
+    p.add_argument("--trace", action="store_true",
+                   help="Chrome/Perfetto trace of the last step but one: OUT/stage{S}/rank{r}_trace.json")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun: number of nodes")
     p.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank")
     p.add_argument("--rdzv-endpoint", default=None, help="torchrun: HOST:PORT of the first node")
@@ -160,7 +162,8 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch")
+    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
+                                                        "trace")
              if getattr(args, flag)]
     return argv
 

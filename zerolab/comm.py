@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import theory
+from . import theory, trace
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases (2.11 on the GPU
 # machine) only have the old names. This is the one compatibility shim.
@@ -169,9 +169,11 @@ class Comm:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         handle = Handle(work=None, record=record, started=time.perf_counter(), events=events)
-        handle.work = call()
+        with trace.issuing(record):              # labelled ranges in a --trace profile
+            handle.work = call()
         if self.link is not None:
             handle.work = self.link.issue(handle.work, op, size)
+        handle.work = trace.waiting(handle.work, record)
         if not async_op:
             handle.wait()
         return handle

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import STRATEGIES, linkemu, theory
+from . import STRATEGIES, linkemu, theory, trace
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
 from .memory import MemoryMeter, allocator_peak, cuda_memory_history, padding_bytes
@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "Gb/s per rank (linkemu.py; gloo only): collectives end no sooner than the model")
     p.add_argument("--link-latency-us", type=float, default=None,
                    help="emulated link latency α, microseconds per ring step (with --link-gbps)")
+    p.add_argument("--trace", action="store_true", help="torch.profiler Chrome trace of the last "
+                   "step but one per rank: OUT/stage{S}/rank{r}_trace.json (trace.py)")
     p.add_argument("--crash-rank", type=int, default=None, help=argparse.SUPPRESS)  # tests: this
     return p                                                                         # rank raises
 
@@ -133,13 +135,17 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         total = torch.zeros((), dtype=torch.float32)
         for micro in range(A):
             xm, ym = (rank_slice(t, rank, n, micro, A).to(device) for t in (x, y))
-            loss = strategy.forward(xm, ym)
-            strategy.backward(loss / A, sync=micro == A - 1)
+            with trace.phase("forward"):
+                loss = strategy.forward(xm, ym)
+            with trace.phase("backward"):
+                strategy.backward(loss / A, sync=micro == A - 1)
             total += loss.detach().float().cpu() / A
-        norm = strategy.step()
+        with trace.phase("step"):
+            norm = strategy.step()
         return total, norm
 
     losses, norms, times, allocator = [], [], [], None
+    trace_step = max(0, args.steps - 2)     # not the last: it runs the allocator cross-check
     for step in range(args.steps):
         comm.step = step
         if args.crash_rank == rank and step == args.steps - 1:
@@ -151,7 +157,9 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         t0 = time.perf_counter()
         snapshot = (cuda_memory_history(Path(args.out) / f"stage{stage}" / f"rank{rank}_snapshot.pickle")
                     if last and args.cuda_snapshot and device.type == "cuda" else contextlib.nullcontext())
-        with snapshot:
+        profiler = trace.chrome_trace(Path(args.out) / f"stage{stage}" / f"rank{rank}_trace.json",
+                                      device, enabled=args.trace and step == trace_step)
+        with snapshot, profiler:
             if last and not args.no_allocator:
                 result = {}
                 held = [t for cat, ts in strategy.state_tensors().items()     # the optimizer
