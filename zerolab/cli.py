@@ -104,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     wi.add_argument("--link", default="ib-ndr", help="a costmodel.LINKS name")
     wi.add_argument("--device", default="h100", help="a costmodel.DEVICES name")
 
+    from .bench import SYSTEMS
+    be = sub.add_parser("bench", formatter_class=HELP, help="zerolab stages vs torch DDP / ZeRO optimizer / FSDP2, interleaved (bench.py)")
+    be.add_argument("--nproc", type=int, default=2, help="gloo ranks on this machine")
+    be.add_argument("--preset", default="small", help="nano, tiny, small, ...")
+    be.add_argument("--systems", default=",".join(SYSTEMS), help="comma list")
+    be.add_argument("--rounds", type=int, default=7, help="timed rounds (one step of every system each)")
+    be.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    be.add_argument("--batch-size", type=int, default=8, help="global batch in rows")
+    be.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
+    be.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
+    be.add_argument("--out", default="runs/bench", help="writes OUT/bench.json")
+    be.add_argument("--timeout", type=float, default=1800, help="seconds before the run is killed")
+
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
     _add_launch_args(train, "0", 2, "tiny", 5)
     train.add_argument("--out", default="runs/train", help="writes OUT/stage{S}/rank{r}.json")
@@ -153,6 +166,22 @@ def cmd_whatif(args) -> int:
     reports = whatif.whatif(args.preset, args.world_size, parse_stages(args.stages), rank=args.rank,
                             precision=args.precision)
     print(whatif.format_whatif(reports, link, device, args.tokens_per_rank, args.precision))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import check_args
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc} must be >= 1")
+    args.lr, args.seed = 1e-3, 0
+    check_args(args, args.nproc)
+    argv = ["--preset", args.preset, "--systems", args.systems, "--rounds", str(args.rounds),
+            "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--out", args.out]
+    for flag in ("link_gbps", "link_latency_us"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    print(f"zerolab bench: {args.nproc} gloo rank(s), preset {args.preset}", flush=True)
+    run_torchrun(argv, args.nproc, timeout=args.timeout, module="zerolab.bench")
     return 0
 
 
@@ -215,7 +244,7 @@ def cmd_labs(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare, "time": cmd_time, "whatif": cmd_whatif,
+        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare, "time": cmd_time, "whatif": cmd_whatif, "bench": cmd_bench,
                 "labs": cmd_labs}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)

@@ -385,3 +385,69 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
               f" (w = {w} bytes per param);"
               f" at {tokens_per_rank:g} tokens per rank ZeRO-3 is {bound}"]
     return "\n".join(lines)
+
+
+# --- compute measured on this machine, to feed the replay ----------------------------------------
+def measure_units(model, x, y, world_size: int = 1, repeats: int = 3) -> list[Unit]:
+    """Time each unit's forward and backward on this process (one thread, as torchrun's ranks
+    run) and return `Unit`s named and sized as zerolab's strategies build them (padded numel).
+
+    model: a GPT-like module with `zero_units()`; x, y: one rank's micro-batch [B, T]. The root
+    unit gets what the blocks leave over (embeddings, final norm, head, loss). Seconds are the
+    median of `repeats` forward + backward passes after one warm-up. Measured, so as noisy as the
+    machine: on a shared machine repeat and look at the spread.
+    """
+    import statistics
+    import time
+
+    import torch
+
+    from .sharding import build_units
+    units = build_units(model, world_size, 0)
+    blocks = {name: module for name, module in model.zero_units()}
+    samples = {u.name: ([], []) for u in units}
+    clock, handles, threads = {}, [], torch.get_num_threads()
+
+    def start(key):
+        clock[key] = time.perf_counter()
+
+    def stop(key, into):
+        into.append(time.perf_counter() - clock[key])
+
+    for name, module in blocks.items():
+        fwd, bwd = samples[name]
+        handles += [module.register_forward_pre_hook(lambda *_, n=name: start(("f", n))),
+                    module.register_forward_hook(lambda *_, n=name, s=fwd: stop(("f", n), s)),
+                    module.register_full_backward_pre_hook(lambda *_, n=name: start(("b", n))),
+                    module.register_full_backward_hook(lambda *_, n=name, s=bwd: stop(("b", n), s))]
+    totals = ([], [])
+    torch.set_num_threads(1)
+    try:
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            loss = model(x, y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            if i == 0:                                  # warm-up
+                for f, b in samples.values():
+                    f.clear()
+                    b.clear()
+                continue
+            totals[0].append(t1 - t0)
+            totals[1].append(t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
+        for h in handles:
+            h.remove()
+    med = statistics.median
+    out = []
+    for u in units:
+        if u.name in blocks:
+            out.append(Unit(u.name, u.padded_numel, med(samples[u.name][0]), med(samples[u.name][1])))
+    rest = [[max(0.0, totals[k][i] - sum(samples[b][k][i] for b in blocks))     # per pass
+             for i in range(repeats)] for k in (0, 1)]
+    root = [Unit(u.name, u.padded_numel, med(rest[0]), med(rest[1]))
+            for u in units if u.name not in blocks]
+    return root + out
