@@ -206,6 +206,7 @@ class StepTime:
     total: float = 0.0
     compute: float = 0.0
     collectives: list = field(default_factory=list)
+    compute_spans: list = field(default_factory=list)     # (start, end) of each compute, seconds
 
     @property
     def comm(self) -> float:
@@ -234,6 +235,8 @@ class _Replay:
         self.phase = "forward"
 
     def compute(self, seconds):
+        if seconds > 0:
+            self.out.compute_spans.append((self.t, self.t + seconds))
         self.t += seconds
         self.out.compute += seconds
 

@@ -300,6 +300,13 @@ def same_training(runs_by_precision: dict[str, dict[int, list[dict]]]):
 
 
 # --- time (notebook 12, lab 6): drawn from costmodel results and run JSON ------------------------
+def _nbytes(size: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:g} {unit}"
+    return f"{size:g} B"
+
+
 def ring_latency(link, sizes=(8, 1e6, 1e9), ns=(2, 4, 8, 16, 64, 256, 1024)):
     """All_reduce and all_gather time vs N on `link` (a costmodel.Link) for a few message sizes
     S (bytes): small messages grow with N (latency, 2(N-1)α), large ones level off (bandwidth)."""
@@ -309,7 +316,7 @@ def ring_latency(link, sizes=(8, 1e6, 1e9), ns=(2, 4, 8, 16, 64, 256, 1024)):
     for op in ("all_reduce", "all_gather"):
         for size, ls in zip(sizes, styles):
             ax.plot(ns, [costmodel.collective_time(op, size, n, link) * 1e3 for n in ns], ls,
-                    marker="o", ms=4, color=OP_COLORS[op], label=f"{op}, S = {size:.0e} B")
+                    marker="o", ms=4, color=OP_COLORS[op], label=f"{op}, S = {_nbytes(size)}")
     ax.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="time (ms)",
            title=f"ring collectives on {link.name}: α = {link.latency * 1e6:g} us, "
                  f"β = {link.bandwidth / 1e9:g} GB/s")
@@ -320,25 +327,28 @@ def ring_latency(link, sizes=(8, 1e6, 1e9), ns=(2, 4, 8, 16, 64, 256, 1024)):
 
 
 def step_replay(replays: dict):
-    """One pair of lanes per replay ({label: costmodel.StepTime}): compute (grey, forward /
-    backward as one span per gap between collectives) and the link (each collective in its op's
-    colour). The right end is the step time."""
+    """One pair of lanes per replay ({label: costmodel.StepTime}): compute (grey spans; the gaps
+    are waits for communication) and the link (each collective in its op's colour). The right end
+    of the compute lane is the step time."""
     fig, ax = plt.subplots(figsize=(10, 0.9 + 0.9 * len(replays)))
     ticks, labels = [], []
     for k, (label, st) in enumerate(replays.items()):
         y = 2 * (len(replays) - 1 - k)
-        ax.barh(y + 0.5, st.total * 1e3, height=0.35, color="0.85", edgecolor="0.6")
+        for a, b in st.compute_spans:
+            ax.barh(y + 0.5, (b - a) * 1e3, left=a * 1e3, height=0.35, color="0.7",
+                    edgecolor="white", linewidth=0.3)
         for c in st.collectives:
             ax.barh(y, (c.end - c.start) * 1e3, left=c.start * 1e3, height=0.35,
                     color=OP_COLORS[c.op], edgecolor="white", linewidth=0.5)
         ax.text(st.total * 1e3, y + 0.5, f" {st.total * 1e3:.3g} ms (compute {st.compute * 1e3:.3g})",
                 va="center", fontsize=8)
         ticks += [y, y + 0.5]
-        labels += [f"{label}: link", f"{label}: step"]
+        labels += [f"{label}: link", f"{label}: compute"]
+    ax.barh(0, 0, color="0.7", label="compute")
     for op in ("all_reduce", "reduce_scatter", "all_gather"):
         ax.barh(0, 0, color=OP_COLORS[op], label=op)
     ax.set_yticks(ticks, labels, fontsize=8)
-    ax.set(xlabel="time in the step (ms)", title="one step replayed: the link's collectives and the step's length")
+    ax.set(xlabel="time in the step (ms)", title="one step replayed: compute (gaps = waiting) and the link")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.margins(x=0.25)
     fig.tight_layout()
@@ -383,7 +393,7 @@ def time_by_stage(rows: list[dict]):
                 label="model, no overlap")
         ax.set_xticks(list(x), [r["label"] for r in sub], rotation=20, fontsize=8)
         ax.set(ylabel="step time (ms)", title=f"emulated link {link}")
-        ax.set_ylim(0, max(max(r["max_s"], r["serial_s"]) for r in sub) * 1e3 * 1.35)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.set_ylim(0, max(max(r["max_s"], r["serial_s"]) for r in sub) * 1e3 * 1.1)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
     fig.tight_layout()
     return fig
