@@ -127,3 +127,44 @@ def test_cli_time_prints_stages_and_threshold():
     bad = subprocess.run([sys.executable, "-m", "zerolab", "time", "--link", "wifi"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'wifi'" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+THREE = [Unit(f"block.{i}", 1, 1.0, 2.0) for i in range(3)]
+
+
+def test_zero3_unlimited_prefetch_by_hand():
+    # forward: gather block.0 0-.5, then block.1 and block.2 issued at .5 run .5-1 and 1-1.5
+    # under block.0's compute .5-1.5; fwd ends 3.5. backward: gather block.2 3.5-4, block.1 and
+    # block.0 queued 4-4.5, 4.5-5 under bwd 4-6; rs 6-6.5; bwd 6-8, rs 8-8.5; bwd 8-10; the third
+    # rs waits for the first (two in flight), runs 10-10.5
+    t = cm.step_time(3, THREE, 2, SLOW, prefetch=-1, clip=False)
+    assert t.total == pytest.approx(10.5)
+    fwd = [(c.unit, c.issued, c.start, c.end) for c in t.collectives if c.phase == "forward"]
+    assert fwd == [("block.0", 0, 0, .5), ("block.1", .5, .5, 1), ("block.2", .5, 1, 1.5)]
+    assert cm.step_time(3, THREE, 2, SLOW, prefetch=0, clip=False).total == pytest.approx(
+        cm.step_time(3, THREE, 2, SLOW, prefetch=False, clip=False).total)
+    with pytest.raises(ValueError, match="-2"):
+        cm.step_time(3, THREE, 2, SLOW, prefetch=-2)
+
+
+def test_keep_root_saves_the_second_root_gather():
+    units = [Unit("root", 4, 0.5, 0.5), *UNITS]      # root all_gather: 4 x 2 B / 2 / 2 B/s = 2 s
+    plain = cm.step_time(3, units, 2, SLOW, clip=False)
+    kept = cm.step_time(3, units, 2, SLOW, clip=False, keep_root=True)
+    assert plain.total - kept.total == pytest.approx(2.0)
+    assert sum(c.unit == "root" and c.op == "all_gather" for c in kept.collectives) == 1
+
+
+def test_merged_buckets_issue_fewer_collectives():
+    merged = cm.merge_units([Unit("root", 1), *THREE], bucket_numel=2)
+    assert [(u.name, u.numel, u.bwd_s) for u in merged] == [
+        ("root", 1, 0.0), ("block.0-1", 2, 4.0), ("block.2", 1, 2.0)]
+    # latency-bound link (α = 1 s, β huge): 2 s per all_reduce at n = 2, whatever the size;
+    # per block: fwd 0-3; bwd block.2 3-5, block.1 5-7, block.0 7-9; ARs 5-7, 7-9, 9-11
+    lat = Link("lat", bandwidth=1e12, latency=1.0)
+    assert cm.step_time(0, THREE, 2, lat).total == pytest.approx(11.0)
+    # merged: block.2 bwd 3-5, AR 5-7; block.1+0 bwd 5-9, AR 9-11: same end, one α pair fewer
+    two = cm.merge_units(THREE, bucket_numel=2)
+    assert len(cm.step_time(0, two, 2, lat).collectives) == 2
+    with pytest.raises(ValueError):
+        cm.merge_units(THREE, 0)

@@ -253,9 +253,38 @@ class _Replay:
         self.t = max(self.t, end)
 
 
+def merge_units(units: list[Unit], bucket_numel: float) -> list[Unit]:
+    """Merge consecutive blocks into gradient buckets of at most `bucket_numel` elements (a
+    block larger than the cap stays alone; the root is never merged). Names become
+    "block.0-2"; compute times add up. A bucket's collective is issued when its last block's
+    backward ends, so fewer, larger collectives pay fewer α's but start later."""
+    if not bucket_numel > 0:
+        raise ValueError(f"bucket_numel {bucket_numel!r} must be > 0")
+    out: list[Unit] = []
+    group: list[Unit] = []
+
+    def close():
+        if group:
+            first, last = group[0].name, group[-1].name.rsplit(".", 1)[-1]
+            out.append(Unit(first if len(group) == 1 else f"{first}-{last}",
+                            sum(u.numel for u in group), sum(u.fwd_s for u in group),
+                            sum(u.bwd_s for u in group)))
+            group.clear()
+    for u in units:
+        if u.name == "root":
+            close()
+            out.append(u)
+            continue
+        if group and sum(g.numel for g in group) + u.numel > bucket_numel:
+            close()
+        group.append(u)
+    close()
+    return out
+
+
 def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, overlap: bool = True,
-              prefetch: bool = False, precision: str = "bf16", zero1_grad_op: str = "all_reduce",
-              clip: bool = True) -> StepTime:
+              prefetch: bool | int = False, precision: str = "bf16", zero1_grad_op: str = "all_reduce",
+              clip: bool = True, keep_root: bool = False) -> StepTime:
     """Replay one optimizer step (one micro-step) of zerolab's `stage` and return its timing.
 
     units: forward order; a unit named "root" is treated as `Unit` says. The collectives are
@@ -264,8 +293,14 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, ove
     all_gather after the step, ZeRO-3's all_gather before each block (the next one issued early
     with `prefetch`) and the scalar all_reduce of the gradient norm (stages 1-3, `clip`).
     overlap=False waits for every collective as soon as it is issued (compute + communication).
-    Sizes: bf16 grads and params (4 bytes each in "fp32"). Returns a StepTime in seconds.
+    prefetch (ZeRO-3): False / 0 none, True / 1 the next block, k the next k blocks, -1 all
+    remaining blocks at once (FSDP's unlimited in-flight gathers). keep_root (ZeRO-3): the root
+    stays gathered from forward into backward (FSDP2's default for the root), saving its second
+    all_gather. Sizes: bf16 grads and params (4 bytes each in "fp32"). Returns a StepTime (s).
     """
+    depth = int(prefetch) if not isinstance(prefetch, bool) else int(prefetch)
+    if depth < -1:
+        raise ValueError(f"prefetch {prefetch!r} must be a bool, a depth >= 0, or -1 (unlimited)")
     theory.check_stage(stage)
     n = theory.check_world_size(world_size)
     width = theory.bytes_per_param(precision)
@@ -289,6 +324,12 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, ove
         else:
             sim.wait(sim.issue("all_gather", u.numel * pw, u.name))
 
+    def prefetch_after(order, k, pending):
+        ahead = order[k + 1:] if depth == -1 else order[k + 1:k + 1 + depth]
+        for nxt in ahead:
+            if nxt.name not in pending:
+                pending[nxt.name] = sim.issue("all_gather", nxt.numel * pw, nxt.name)
+
     # --- forward ---
     pending: dict[str, float] = {}
     if stage == 3:
@@ -297,26 +338,23 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, ove
     for i, u in enumerate(blocks):
         if stage == 3:
             gather(u, pending)
-            if prefetch and i + 1 < len(blocks):
-                pending[blocks[i + 1].name] = sim.issue("all_gather", blocks[i + 1].numel * pw,
-                                                        blocks[i + 1].name)
+            prefetch_after(blocks, i, pending)
         sim.compute(u.fwd_s)
     for u in root:
         sim.compute(u.fwd_s)
     # --- backward ---
     sim.phase = "backward"
-    if stage == 3:
+    pending = {}
+    if stage == 3 and not keep_root:
         for u in root:
             gather(u, pending)
     for u in root:
         sim.compute(u.bwd_s)
-    for i in range(len(blocks) - 1, -1, -1):
-        u = blocks[i]
+    backward_order = blocks[::-1]
+    for k, u in enumerate(backward_order):
         if stage == 3:
             gather(u, pending)
-            if prefetch and i - 1 >= 0:
-                pending[blocks[i - 1].name] = sim.issue("all_gather", blocks[i - 1].numel * pw,
-                                                        blocks[i - 1].name)
+            prefetch_after(backward_order, k, pending)
         sim.compute(u.bwd_s)
         grads_ready(u)
     for u in root:
