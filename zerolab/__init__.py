@@ -2,13 +2,14 @@
 
 Layers (each imports only from those above it):
     theory     formulas: bytes per rank per stage, traffic per step, busbw factors
+    costmodel  time: α-β collectives, FLOPs, a step replayed per stage (linkemu: emulated link)
     comm       every collective, recorded in a per-rank ledger
     sharding   flat buffers, padding, owned ranges, buckets / blocks
     ddp, zero1, zero2, zero3   the strategies (forward / backward / step)
     memory     measured bytes by category, allocator cross-check
     model, data  the GPT and the text
     train      torchrun entry point: config -> run -> stage{S}/rank{r}.json
-    launch, cli  zerolab memory | train | compare | labs
+    launch, cli  zerolab memory | time | whatif | train | compare | bench | labs
 """
 from .ddp import DDP
 from .zero1 import ZeRO1
