@@ -22,7 +22,7 @@ from .launch import LaunchError, resolve, run_torchrun
 HELP = argparse.ArgumentDefaultsHelpFormatter
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
                "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout", "link_gbps",
-               "link_latency_us")
+               "link_latency_us", "zero3_prefetch_depth")
 
 
 def _positive_float(text):
@@ -64,6 +64,10 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--link-gbps", type=float, default=None,
                    help="emulate a link of this many Gb/s per rank (gloo): see zerolab/linkemu.py")
     p.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
+    p.add_argument("--zero3-prefetch-depth", type=int, default=None,
+                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all)")
+    p.add_argument("--zero3-keep-root", action="store_true",
+                   help="ZeRO-3: keep the root unit gathered from forward into backward")
     p.add_argument("--trace", action="store_true",
                    help="Chrome/Perfetto trace of the last step but one: OUT/stage{S}/rank{r}_trace.json")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun: number of nodes")
@@ -192,7 +196,7 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
-                                                        "trace")
+                                                        "trace", "zero3_keep_root")
              if getattr(args, flag)]
     return argv
 

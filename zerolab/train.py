@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
     p.add_argument("--zero3-prefetch", action="store_true",
                    help="ZeRO-3: gather the next block while the current one computes")
+    p.add_argument("--zero3-prefetch-depth", type=int, default=None,
+                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all); overrides --zero3-prefetch")
+    p.add_argument("--zero3-keep-root", action="store_true",
+                   help="ZeRO-3: keep the root unit gathered from forward into backward")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0: no clipping")
@@ -100,6 +104,9 @@ def check_args(args, world_size: int):
     for name in ("lr", "timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name} {getattr(args, name)} must be > 0")
+    depth = getattr(args, "zero3_prefetch_depth", None)
+    if depth is not None and depth < -1:
+        raise ValueError(f"--zero3-prefetch-depth {depth} must be >= 0, or -1 (all blocks)")
     linkemu.from_args(getattr(args, "link_gbps", None), getattr(args, "link_latency_us", None),
                       world_size)          # ValueError for a bad emulated link
     if args.batch_size % (world_size * args.grad_accum):
@@ -114,7 +121,9 @@ def make_strategy(stage, model, comm, args, meter):
     if stage == 1:
         kwargs["grad_op"] = args.zero1_grad_op
     if stage == 3:
-        kwargs["prefetch"] = args.zero3_prefetch
+        depth = getattr(args, "zero3_prefetch_depth", None)
+        kwargs["prefetch"] = args.zero3_prefetch if depth is None else depth
+        kwargs["keep_root"] = getattr(args, "zero3_keep_root", False)
     return STRATEGIES[stage](model, comm, **kwargs)
 
 
@@ -205,7 +214,9 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         "preset": args.preset, "model_config": cfg.__dict__, "num_params": psi,
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
-        "zero3_prefetch": args.zero3_prefetch if stage == 3 else None,
+        "zero3_prefetch": (args.zero3_prefetch if args.zero3_prefetch_depth is None
+                           else args.zero3_prefetch_depth) if stage == 3 else None,
+        "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
         "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
                  if args.link_gbps is not None else None),
         "seed": args.seed, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
