@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from . import theory
-from .launch import LaunchError, resolve, run_torchrun
+from .launch import LaunchError, auto_note, resolve, run_torchrun
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
@@ -214,6 +214,9 @@ def launch(args, stages: str) -> None:
     backend, device = check_launch(args)
     print(f"zerolab: {args.nproc * args.nnodes} rank(s), {backend} on {device}, stages {stages}, "
           f"preset {args.preset}", flush=True)
+    note = auto_note(args.nproc, args.backend, args.device, backend, device)
+    if note:
+        print(f"zerolab: {note}", flush=True)
     run_torchrun(_train_argv(args, stages, args.out, backend, device), args.nproc,
                  timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank,
                  rdzv_endpoint=args.rdzv_endpoint)

@@ -12,6 +12,8 @@ between runs at full speed and the wire time hides behind it exactly as the cost
     python -m zerolab train --stage 3 --zero3-prefetch --preset small --link-gbps 1 --link-latency-us 100
 
 Limits: the emulated time is a floor (a collective ends at max(gloo's own time, the model's));
+the ledger's `time_s` of a collective queued behind another on the link may include part of that
+queue (comm.py infers an op's start from gloo's two worker threads, not from the emulated link);
 each rank keeps its own link clock from its own issue times; gloo on CPU only (NCCL kernels run
 on the GPU's stream and would not wait for a host-side sleep). Validated in tests/test_linkemu.py
 and labs/lab6_time_by_stage.ipynb.
@@ -24,10 +26,13 @@ from . import costmodel
 
 
 class EmulatedWork:
-    """Wraps a torch.distributed Work: `wait()` returns no sooner than `deadline` (perf_counter s)."""
+    """Wraps a torch.distributed Work: `wait()` returns no sooner than `deadline` (perf_counter s).
 
-    def __init__(self, work, deadline: float):
-        self.work, self.deadline = work, deadline
+    handle: the comm.Handle it belongs to; its `completed_at` (what the ledger's duration is
+    computed from) becomes at least the deadline, so the ledger times the emulated link."""
+
+    def __init__(self, work, deadline: float, handle=None):
+        self.work, self.deadline, self.handle = work, deadline, handle
 
     def wait(self, *args):
         if self.work is not None:
@@ -35,10 +40,15 @@ class EmulatedWork:
         remaining = self.deadline - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)           # waiting, not computing: the core is free
+        if self.handle is not None:
+            self.handle.completed_at = max(self.handle.completed_at or 0.0, self.deadline)
         return True
 
     def is_completed(self) -> bool:
         return (self.work is None or self.work.is_completed()) and time.perf_counter() >= self.deadline
+
+    def __getattr__(self, name):            # anything else is the real Work's
+        return getattr(self.work, name)
 
 
 class LinkEmulator:
@@ -57,12 +67,12 @@ class LinkEmulator:
         """The model's seconds for `op` of the full array S = size_bytes on this link."""
         return costmodel.collective_time(op, size_bytes, self.n, self.link)
 
-    def issue(self, work, op: str, size_bytes: float) -> EmulatedWork:
+    def issue(self, work, op: str, size_bytes: float, handle=None) -> EmulatedWork:
         """Place a just-issued collective on the link (after the ones before it)."""
         start = max(time.perf_counter(), self.free_at)
         self.free_at = start + self.duration(op, size_bytes)
         self.busy.append((op, start, self.free_at))
-        return EmulatedWork(work, self.free_at)
+        return EmulatedWork(work, self.free_at, handle)
 
 
 def from_args(gbps: float | None, latency_us: float | None, world_size: int) -> LinkEmulator | None:

@@ -207,27 +207,62 @@ def memory_timeline(runs: dict[int, list[dict]], stages=(2, 3), rank: int = 0):
     return fig
 
 
+LIVE_BLOCK_STATES = ("active_allocated", "active_pending_free")
+
+
+def snapshot_series(snap: dict, max_entries: int | None = None) -> list[dict]:
+    """Per device of a `torch.cuda.memory._dump_snapshot` dict: the allocated bytes after each
+    recorded event, absolute. The running sum of alloc / free_completed sizes starts at zero
+    when recording begins and goes negative when blocks allocated earlier are freed, so it is
+    anchored at the end instead: the blocks still live at the dump (segments' active blocks)
+    minus what the recorded events added. That stays right even when the ring buffer dropped
+    the oldest events. Returns [{"device", "bytes": [int per event], "dropped": bool,
+    "events": int}]; `dropped` when the history holds `max_entries` events (it was full)."""
+    out = []
+    for dev, trace in enumerate(snap.get("device_traces", [])):
+        live_end = sum(b.get("size", 0) for seg in snap.get("segments", [])
+                       if seg.get("device", 0) == dev
+                       for b in seg.get("blocks", []) if b.get("state") in LIVE_BLOCK_STATES)
+        deltas = [ev.get("size", 0) if ev.get("action") == "alloc"
+                  else -ev.get("size", 0) if ev.get("action") == "free_completed" else 0
+                  for ev in trace]
+        live, series = live_end - sum(deltas), []
+        for d in deltas:
+            live += d
+            series.append(live)
+        out.append({"device": dev, "bytes": series, "events": len(trace),
+                    "dropped": bool(max_entries) and len(trace) >= max_entries})
+    return out
+
+
 def cuda_snapshot(path, title: str = ""):
-    """Allocated bytes over the events of a `torch.cuda.memory._dump_snapshot` pickle, drawn
-    offline (the built-in HTML viewers load JavaScript from the internet)."""
+    """Allocated bytes (absolute, see `snapshot_series`) over the events of a
+    `torch.cuda.memory._dump_snapshot` pickle, drawn offline (the built-in HTML viewers load
+    JavaScript from the internet). Reads what `memory.cuda_memory_history` adds under
+    "zerolab" when present: the allocated bytes when recording began (a dotted line) and the
+    buffer size, to say on the plot when old events were dropped."""
+    from .memory import SNAPSHOT_MAX_ENTRIES
     with open(path, "rb") as f:
         snap = pickle.load(f)
+    meta = snap.get("zerolab") or {}
     fig, ax = plt.subplots(figsize=(14, 3.6))
-    for dev, trace in enumerate(snap.get("device_traces", [])):
-        live, xs, ys = 0, [], []
-        for i, ev in enumerate(trace):
-            if ev.get("action") == "alloc":
-                live += ev.get("size", 0)
-            elif ev.get("action") in ("free_completed",):
-                live -= ev.get("size", 0)
-            xs.append(i)
-            ys.append(live / MB)
-        if xs:
-            ax.plot(xs, ys, drawstyle="steps-post", label=f"cuda:{dev}")
-    ax.set(xlabel="allocator event", ylabel="MB allocated since recording began",
-           title=title or f"CUDA allocator over the last step ({Path(path).name})")
-    if ax.get_legend_handles_labels()[1]:
-        ax.legend(fontsize=8)
+    notes = []
+    for row in snapshot_series(snap, meta.get("max_entries", SNAPSHOT_MAX_ENTRIES)):
+        if row["bytes"]:
+            ax.plot(range(len(row["bytes"])), [b / MB for b in row["bytes"]], drawstyle="steps-post",
+                    label=f"cuda:{row['device']}")
+        if row["dropped"]:
+            notes.append(f"cuda:{row['device']}: buffer full ({row['events']:,} events): older "
+                         "events were dropped, the curve starts mid-run")
+    if "allocated_at_start" in meta:
+        ax.axhline(meta["allocated_at_start"] / MB, color="0.4", ls=":", lw=1,
+                   label="allocated when recording began")
+    notes.append("absolute: anchored at the blocks still allocated at the dump")
+    ax.set(xlabel="allocator event", ylabel="MB allocated (absolute)")
+    ax.set_title("\n".join([title or f"CUDA allocator over the last step ({Path(path).name})",
+                             *notes]), fontsize=9)
+    if ax.get_legend_handles_labels()[1]:       # outside the axes: never over the data
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 

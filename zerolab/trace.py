@@ -54,6 +54,9 @@ class LabelledWork:
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
+    def __getattr__(self, name):            # e.g. NCCL's _get_duration: the real Work's
+        return getattr(self.work, name)
+
 
 def waiting(work, record):
     """`work` itself, or a LabelledWork when a profiler is recording."""
