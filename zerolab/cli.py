@@ -19,7 +19,15 @@ from pathlib import Path
 from . import theory
 from .launch import LaunchError, auto_note, resolve, run_torchrun
 
-HELP = argparse.ArgumentDefaultsHelpFormatter
+class HELP(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" once: not when the help text already names its default, and not
+    for on/off flags (their default is always off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or isinstance(action, argparse._StoreTrueAction):
+            return text
+        return super()._get_help_string(action)
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
                "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout", "link_gbps",
                "link_latency_us", "zero3_prefetch_depth")
@@ -60,6 +68,8 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
                    help="ZeRO-3: gather the next block while the current one computes")
     p.add_argument("--save-params", action="store_true",
                    help="save each stage's final parameters to OUT/stage{S}/params.pt")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's forward in backward (torch.utils.checkpoint)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the run is killed")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="emulate a link of this many Gb/s per rank (gloo): see zerolab/linkemu.py")
@@ -196,7 +206,8 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
-                                                        "trace", "zero3_keep_root")
+                                                        "trace", "zero3_keep_root",
+                                                        "activation_checkpointing")
              if getattr(args, flag)]
     return argv
 

@@ -253,7 +253,14 @@ def traffic_rows(runs: dict[int, list[dict]], label: str | None = None) -> list[
             if recs:
                 per_step = max(1, r0["steps"] - 1) * len(ranks)
                 busbws = sorted(x["busbw"] for x in recs if x["busbw"] == x["busbw"])
+                by_step: dict = {}           # (rank, step) -> seconds in this op: the spread
+                for r in ranks:
+                    for x in r["comm"]["records"]:
+                        if x["op"] == op and x["what"] in ("grads", "params") and (
+                                x["step"] >= 1 or r0["steps"] == 1):
+                            by_step[r["rank"], x["step"]] = by_step.get((r["rank"], x["step"]), 0.0) + x["time_s"]
                 timing[op] = {"seconds_per_step": sum(x["time_s"] for x in recs) / per_step,
+                              "per_step_s": sorted(by_step.values()),
                               "time_sources": sorted({x.get("time_source") or "issue_to_wait"
                                                       for x in recs}),
                               "calls_per_step": len(recs) / per_step,
@@ -554,9 +561,14 @@ def run_labs(args) -> int:
     return 1 if any(r["status"] != "ok" for r in results) else 0
 
 
+_NOISE = re.compile(r"Executing Cell|Ending Cell|Kernel is running over TCP without encryption"
+                    r"|^\s*(\S+ \S+ \[\w+\]\s*)?<Figure size [^>]*>\s*$")
+
+
 def _lab_echo(line: str):
-    """papermill's log: keep the ranks' progress and the lab's own prints, drop kernel chatter."""
-    if "Executing Cell" in line or "Ending Cell" in line or not line.strip():
+    """papermill's log: keep the ranks' progress and the lab's own prints, drop kernel chatter
+    (cell markers, the kernel's TCP-encryption warning, `<Figure ...>` reprs of plotted cells)."""
+    if not line.strip() or _NOISE.search(line):
         return
     print("   ", re.sub(r"^\S+ \S+ \[\w+\]\s*", "", line), flush=True)
 

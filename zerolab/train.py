@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all); overrides --zero3-prefetch")
     p.add_argument("--zero3-keep-root", action="store_true",
                    help="ZeRO-3: keep the root unit gathered from forward into backward")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's forward in backward (torch.utils.checkpoint)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0: no clipping")
@@ -93,6 +95,8 @@ def model_config(args):
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size {args.block_size} must be >= 1 (tokens of context)")
     overrides = {"block_size": args.block_size} if args.block_size is not None else {}
+    if getattr(args, "activation_checkpointing", False):
+        overrides["activation_checkpointing"] = True
     return get_config(args.preset, **overrides)
 
 
