@@ -18,8 +18,10 @@ def test_trace_labels_every_collective(tmp_path):
                            "--nproc", "2", "--steps", "2", "--trace", "--link-gbps", "0.01",
                            "--out", str(out)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    from zerolab.report import load_run
+    assert len(load_run(out)[3]) == 2           # the trace files are not taken for rank JSONs
     for rank in (0, 1):
-        events = json.loads((out / "stage3" / f"rank{rank}_trace.json").read_text())["traceEvents"]
+        events = json.loads((out / "stage3" / f"trace_rank{rank}.json").read_text())["traceEvents"]
         spans = {}
         for e in events:
             if e.get("ph") == "X":

@@ -79,7 +79,7 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--zero3-keep-root", action="store_true",
                    help="ZeRO-3: keep the root unit gathered from forward into backward")
     p.add_argument("--trace", action="store_true",
-                   help="Chrome/Perfetto trace of the last step but one: OUT/stage{S}/rank{r}_trace.json")
+                   help="Chrome/Perfetto trace of the last step but one: OUT/stage{S}/trace_rank{r}.json")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun: number of nodes")
     p.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank")
     p.add_argument("--rdzv-endpoint", default=None, help="torchrun: HOST:PORT of the first node")

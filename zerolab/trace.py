@@ -3,7 +3,7 @@
 Idea: `torch.profiler` records every op a rank runs; on gloo it records nothing about the
 collectives themselves. So `Comm` puts a named range around each collective's issue and another
 around the wait for it, labelled with its ledger record (op, what, unit, phase), e.g.
-"wait all_gather params block.3 [forward]". Open OUT/stage{S}/rank{r}_trace.json in
+"wait all_gather params block.3 [forward]". Open OUT/stage{S}/trace_rank{r}.json in
 https://ui.perfetto.dev or chrome://tracing: the forward / backward / step ranges, the compute ops
 inside them and the waits for communication lie side by side; with the link emulator
 (`--link-gbps`) the waits show the time on the wire that compute did not hide.

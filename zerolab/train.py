@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-latency-us", type=float, default=None,
                    help="emulated link latency α, microseconds per ring step (with --link-gbps)")
     p.add_argument("--trace", action="store_true", help="torch.profiler Chrome trace of the last "
-                   "step but one per rank: OUT/stage{S}/rank{r}_trace.json (trace.py)")
+                   "step but one per rank: OUT/stage{S}/trace_rank{r}.json (trace.py)")
     p.add_argument("--crash-rank", type=int, default=None, help=argparse.SUPPRESS)  # tests: this
     return p                                                                         # rank raises
 
@@ -194,7 +194,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         t0 = time.perf_counter()
         snapshot = (cuda_memory_history(Path(args.out) / f"stage{stage}" / f"rank{rank}_snapshot.pickle")
                     if last and args.cuda_snapshot and device.type == "cuda" else contextlib.nullcontext())
-        profiler = trace.chrome_trace(Path(args.out) / f"stage{stage}" / f"rank{rank}_trace.json",
+        profiler = trace.chrome_trace(Path(args.out) / f"stage{stage}" / f"trace_rank{rank}.json",
                                       device, enabled=args.trace and step == trace_step)
         with snapshot, profiler:
             if last and not args.no_allocator:
