@@ -9,7 +9,8 @@ Layers (each imports only from those above it):
     memory     measured bytes by category, allocator cross-check
     model, data  the GPT and the text
     train      torchrun entry point: config -> run -> stage{S}/rank{r}.json
-    launch, cli  zerolab memory | time | whatif | train | compare | bench | labs
+    checkpoint sharded save, resume at any world size / stage, offline consolidate
+    launch, cli  zerolab memory | time | whatif | train | compare | bench | labs | checkpoint
 """
 from .ddp import DDP
 from .zero1 import ZeRO1
