@@ -102,10 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--world-size", type=int, default=64, help="data-parallel ranks N")
     tm.add_argument("--tokens-per-rank", type=_positive_float, default=4096, help="tokens per rank per step")
     tm.add_argument("--blocks", type=int, default=32, help="equal blocks (ZeRO-3 gathers one at a time)")
-    tm.add_argument("--link", default="ib-ndr", help="nvlink3, nvlink4, nvlink5, pcie4, pcie5, ib-ndr, ib-hdr, 100gbe, 25gbe")
+    tm.add_argument("--link", default="ib-ndr", help="a named link profile (costmodel.LINKS; a wrong name lists them)")
     tm.add_argument("--link-gbps", type=_positive_float, default=None, help="custom bandwidth, Gb/s per rank per direction")
     tm.add_argument("--link-latency-us", type=float, default=None, help="custom α, us per ring step")
-    tm.add_argument("--device", default="h100", help="h100, h200, a100")
+    tm.add_argument("--device", default="h100", help="a named device profile (costmodel.DEVICES)")
     tm.add_argument("--device-tflops", type=_positive_float, default=None, help="custom peak, TFLOP/s")
     tm.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak reached (MFU)")
     tm.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     wi.add_argument("--stage", "--stages", dest="stages", default="0,1,2,3", help="stage or comma list")
     wi.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     wi.add_argument("--tokens-per-rank", type=_positive_float, default=4096, help="for the time model")
-    wi.add_argument("--link", default="ib-ndr", help="a costmodel.LINKS name")
-    wi.add_argument("--device", default="h100", help="a costmodel.DEVICES name")
+    wi.add_argument("--link", default="ib-ndr", help="a named link profile (costmodel.LINKS)")
+    wi.add_argument("--device", default="h100", help="a named device profile (costmodel.DEVICES)")
 
     from .bench import SYSTEMS
     be = sub.add_parser("bench", formatter_class=HELP, help="zerolab stages vs torch DDP / ZeRO optimizer / FSDP2, interleaved (bench.py)")

@@ -438,7 +438,7 @@ def ring_latency(link, sizes=(8, 1e6, 1e9), ns=(2, 4, 8, 16, 64, 256, 1024)):
     for op in ("all_reduce", "all_gather"):
         for size, ls in zip(sizes, styles):
             ax.plot(ns, [costmodel.collective_time(op, size, n, link) * 1e3 for n in ns], ls,
-                    marker="o", ms=4, color=OP_COLORS[op], label=f"{op}, S = {_nbytes(size)}")
+                    marker="o", ms=4, color=COLLECTIVE_COLORS[op], label=f"{op}, S = {_nbytes(size)}")
     ax.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="time (ms)",
            title=f"ring collectives on {link.name}: α = {link.latency * 1e6:g} us, "
                  f"β = {link.bandwidth / 1e9:g} GB/s")
@@ -461,14 +461,14 @@ def step_replay(replays: dict):
                     edgecolor="white", linewidth=0.3)
         for c in st.collectives:
             ax.barh(y, (c.end - c.start) * 1e3, left=c.start * 1e3, height=0.35,
-                    color=OP_COLORS[c.op], edgecolor="white", linewidth=0.5)
+                    color=COLLECTIVE_COLORS[c.op], edgecolor="white", linewidth=0.5)
         ax.text(st.total * 1e3, y + 0.5, f" {st.total * 1e3:.3g} ms (compute {st.compute * 1e3:.3g})",
                 va="center", fontsize=8)
         ticks += [y, y + 0.5]
         labels += [f"{label}: link", f"{label}: compute"]
     ax.barh(0, 0, color="0.7", label="compute")
     for op in ("all_reduce", "reduce_scatter", "all_gather"):
-        ax.barh(0, 0, color=OP_COLORS[op], label=op)
+        ax.barh(0, 0, color=COLLECTIVE_COLORS[op], label=op)
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set(xlabel="time in the step (ms)", title="one step replayed: compute (gaps = waiting) and the link")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -487,7 +487,7 @@ def comm_bound(block_params: float, world_size: int, link, device, tokens=None):
     ax.plot(tokens, [costmodel.compute_time(block_params, t, device, passes="fwd") * 1e3
                      for t in tokens], color="0.3", marker="o", ms=3, label="block forward compute")
     gather = costmodel.collective_time("all_gather", 2 * block_params, world_size, link) * 1e3
-    ax.axhline(gather, color=OP_COLORS["all_gather"], label="block all_gather (bf16)")
+    ax.axhline(gather, color=COLLECTIVE_COLORS["all_gather"], label="block all_gather (bf16)")
     ax.axvline(t_star, color="0.5", ls=":", label=f"T* = {t_star:,.0f} tokens per rank")
     ax.set(xscale="log", yscale="log", xlabel="tokens per rank per step", ylabel="ms",
            title=f"Ψ_block = {block_params:.3g}, N = {world_size}, {device.name} on {link.name}")
