@@ -315,7 +315,8 @@ def make_optimizer(params: list[torch.Tensor], lr=3e-4, betas=(0.9, 0.95), eps=1
     exp_avg / exp_avg_sq appear in optimizer.state."""
     groups = [{"params": [p for p in params if decays(p) == d], "weight_decay": weight_decay * d}
               for d in (True, False)]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
+                             weight_decay=weight_decay)
 
 
 def clip_grad_norm_(masters: list[torch.Tensor], max_norm: float, comm=None) -> torch.Tensor:

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..comm import Comm
 from ..data import get_batch, load_tokens, rank_slice
 from ..model import GPT, get_config, num_params
-from ..sharding import make_optimizer, storage_bytes
+from ..sharding import decays, make_optimizer, storage_bytes
 from ..zero2 import ZeRO2
 from ..zero3 import ZeRO3
 
@@ -223,8 +223,11 @@ def run_torch_zero1(args, tokens, cfg, group) -> dict:
     with `parameters_as_bucket_view=True`)."""
     model = DDP(fresh_model(cfg, args.seed), process_group=group)
     ref = make_optimizer([torch.zeros(1)], lr=args.lr, weight_decay=args.weight_decay).defaults
+    params = list(model.parameters())       # the same decay groups as make_optimizer
     optimizer = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=torch.optim.AdamW, process_group=group,
+        [{"params": [p for p in params if decays(p)]},
+         {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
+        optimizer_class=torch.optim.AdamW, process_group=group,
         parameters_as_bucket_view=True,
         **{k: ref[k] for k in ("lr", "betas", "eps", "weight_decay")})
     sample = Sampler(lambda: torch_held(model, optimizer), model.module.blocks)
