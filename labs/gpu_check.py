@@ -113,7 +113,7 @@ def main(argv=None) -> int:
             "bytes_per_step_formula": t_formula, "allocator_peak": peak,
             "allocator_source": (ranks[0]["memory"].get("allocator") or {}).get("source"),
             "timing": row["timing"]}
-    snaps = sorted(str(p) for p in (runs_dir / "notes").glob("stage*/rank*_snapshot.pickle"))
+    snaps = sorted(str(p) for p in (runs_dir / "notes").glob("stage*/rank*_snapshot.json"))
     summary["cuda_snapshots"] = snaps
     if device == "cuda":
         print(f"\ntorch.cuda peak allocated counts model states + activations + temporaries; "

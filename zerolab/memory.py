@@ -90,16 +90,18 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
 
 
 @contextlib.contextmanager
-def cuda_memory_history(path: Path):
-    """Record the CUDA caching allocator's history inside the block and dump it to `path` (a
-    pickle that `zerolab.plots` draws offline with matplotlib; torch's HTML viewer needs the
-    internet). CUDA only."""
+def cuda_memory_history(path: Path, tag: dict | None = None):
+    """Record the CUDA caching allocator's history inside the block and write it to `path` as
+    JSON (`torch.cuda.memory._snapshot()` plus `tag`, e.g. the run id), which `zerolab.plots`
+    draws offline with matplotlib. JSON, not torch's `_dump_snapshot` pickle: reading a snapshot
+    must never unpickle (run) a file someone else put there. CUDA only."""
+    from .runs import atomic_json
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
         yield
     finally:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
+        snapshot = torch.cuda.memory._snapshot()
+        atomic_json(path, {**(tag or {}), "snapshot": snapshot}, default=str)
         torch.cuda.memory._record_memory_history(enabled=None)
 
 

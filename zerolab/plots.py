@@ -10,7 +10,8 @@ bytes, hatched, in the colour of what they hold.
 """
 from __future__ import annotations
 
-import pickle
+import json
+
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -208,10 +209,11 @@ def memory_timeline(runs: dict[int, list[dict]], stages=(2, 3), rank: int = 0):
 
 
 def cuda_snapshot(path, title: str = ""):
-    """Allocated bytes over the events of a `torch.cuda.memory._dump_snapshot` pickle, drawn
-    offline (the built-in HTML viewers load JavaScript from the internet)."""
-    with open(path, "rb") as f:
-        snap = pickle.load(f)
+    """Allocated bytes over the events of a CUDA allocator snapshot that
+    `zerolab.memory.cuda_memory_history` wrote as JSON, drawn offline (the built-in HTML viewers
+    load JavaScript from the internet). Never unpickles: a pickle could run code."""
+    snap = json.loads(Path(path).read_text())
+    snap = snap.get("snapshot", snap)
     fig, ax = plt.subplots(figsize=(14, 3.6))
     for dev, trace in enumerate(snap.get("device_traces", [])):
         live, xs, ys = 0, [], []
