@@ -470,8 +470,10 @@ def save_summary(out, lab: str, numbers: dict, notes: list[str] | None = None) -
                                               "notes": notes or []}, default=float)
 
 
-def lab_notebooks(labs_dir: Path = LAB_DIR, only: str | None = None) -> list[Path]:
-    """labs/lab*.ipynb in order, filtered by `only` (comma list of name fragments)."""
+def lab_notebooks(labs_dir: Path | None = None, only: str | None = None) -> list[Path]:
+    """labs/lab*.ipynb (LAB_DIR, read at call time) in order, filtered by `only` (comma list of
+    name fragments)."""
+    labs_dir = LAB_DIR if labs_dir is None else labs_dir
     if not labs_dir.is_dir():
         raise FileNotFoundError(f"no labs folder at {str(labs_dir)!r}: run from a zerolab checkout "
                                 "(pip install -e .)")

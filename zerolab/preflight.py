@@ -106,14 +106,27 @@ def check_rdzv_endpoint(endpoint: str, probe_seconds: float = 2.0) -> tuple[str,
 
 
 def _is_rendezvous_store(host: str, port: int, seconds: float) -> bool:
-    import datetime
-
-    import torch.distributed as dist
+    """Whether a TCPStore client can set and get a key at host:port within `seconds` (after
+    importing torch). Run in a child process that is killed then: against a listener that is not a
+    store, the client's handshake waits without honouring its own timeout."""
+    import subprocess
+    import sys
+    code = ("import datetime, sys, torch.distributed as d; print('ready', flush=True); "
+            f"s = d.TCPStore({host!r}, {port}, is_master=False, "
+            f"timeout=datetime.timedelta(seconds={seconds})); "
+            "s.set('zerolab_probe', '1'); sys.exit(0 if s.get('zerolab_probe') == b'1' else 1)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
     try:
-        dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=seconds))
-        return True
-    except Exception:  # noqa: BLE001 - any failure to speak the store protocol means "not one"
+        proc.stdout.readline()              # torch imported: now the probe itself
+        return proc.wait(timeout=seconds) == 0
+    except subprocess.TimeoutExpired:
         return False
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
 
 
 # --- memory ----------------------------------------------------------------------------------------

@@ -126,8 +126,12 @@ def check_out_dir(out, flag: str = "--out") -> Path:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise RunFolderError(f"{flag} {str(out)!r} is inside {str(probe)!r}, which is a file")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise RunFolderError(f"{flag} {str(out)!r} is not writable ({str(probe)!r} denies it)")
+    try:                                    # a nameless probe file: nothing is left behind
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise RunFolderError(f"{flag} {str(out)!r} is not writable: {str(probe)!r} refuses a new "
+                             f"file ({err.strerror})") from None
     return p
 
 
@@ -180,7 +184,10 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
     """Lock OUT, check it holds no other run (or delete that run's outputs when `overwrite`),
     write the manifest with status "running"; return the Run. Raises RunFolderError (one line)."""
     out = check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderError(f"--out {str(out)!r} cannot be created ({err.strerror})") from None
     outputs = list(outputs or OUTPUTS.get(command, OUTPUTS["train"]))
     fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
