@@ -198,8 +198,11 @@ def test_interrupting_zerolab_labs_stops_the_whole_run(tmp_path, sig):
         seen.append(line)
         if "LAB STARTED" in line:
             break
-    files = list(Path(tempfile.gettempdir()).glob(f"zerolab-run-{proc.pid}-*/jupyter/kernel-*.json"))
-    assert files, "the kernel's connection file is not in the launch's private folder"
+    kernel = [pid for pid in pids_with("ipykernel", f"zerolab-run-{proc.pid}-")]
+    files = [Path(f) for pid in kernel for f in re.findall(
+        r"-f (\S+\.json)", Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())]
+    assert files and all(f.exists() for f in files), \
+        "the kernel's connection file is not in the launch's private folder"
     proc.send_signal(sig)
     try:
         rest, _ = proc.communicate(timeout=60)
