@@ -33,6 +33,10 @@ class LaunchError(RuntimeError):
         self.output = output
 
 
+#: how a rank program starts the one line that says why it stopped (zerolab.train prints it)
+RANK_ERROR = "zerolab.train: error:"
+
+
 class LaunchInterrupted(LaunchError):
     """The launching process was interrupted (Ctrl-C) or terminated (SIGTERM, SIGHUP)."""
 
@@ -133,7 +137,7 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     previous = {}
     if threading.current_thread() is threading.main_thread():   # SIGTERM / SIGHUP: clean up too
         previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    died_at = None
+    died_at, said = None, False
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -159,8 +163,9 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
                 continue
             lines.append(line)
             tail.append(line)
-            if echo and not _noise(line):
-                echo(line.rstrip("\n"))
+            said |= line.lstrip().startswith(RANK_ERROR)   # a rank said why in one line: it
+            if echo and not said and not _noise(line):    # ends the run, torchrun's report of
+                echo(line.rstrip("\n"))                  # the exit would only bury it
         proc.wait()
     except (KeyboardInterrupt, _Terminated) as err:
         _stop(proc, tree, grace)
@@ -178,7 +183,7 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
         raise LaunchError(f"torchrun was killed by {name}; every rank was stopped: "
                           f"{' '.join(cmd[2:])}", "".join(tail))
     if proc.returncode != 0:
-        own = [ln.strip() for ln in lines if ln.lstrip().startswith("zerolab.train: error:")]
+        own = [ln.strip() for ln in lines if ln.lstrip().startswith(RANK_ERROR)]
         if own:                                 # a rank said why in one line: that is the error
             raise LaunchError(own[0].split("error:", 1)[1].strip())
         raise LaunchError(f"the ranks exited with code {proc.returncode}: {' '.join(cmd[2:])}",

@@ -234,7 +234,7 @@ def stop_non_finite(stage, step, local, mean, norm, comm):
     n = comm.world_size
     locals_ = torch.zeros(n, dtype=torch.float32, device=local.device)
     mine = local.reshape(1).float().to(local.device)
-    dist.all_gather_into_tensor(locals_, mine) if n > 1 else locals_.copy_(mine)
+    comm.all_gather(locals_, mine, what="metric", unit="loss")
     bad = [r for r, v in enumerate(locals_.tolist()) if not math.isfinite(v)]
     if bad:
         what = f"rank {bad[0]}'s loss is {locals_[bad[0]].item()}"
@@ -246,13 +246,13 @@ def stop_non_finite(stage, step, local, mean, norm, comm):
                     "(lower --lr, or use --precision fp32)")
 
 
-def agree_on_run(args, world_size: int, device) -> str:
+def agree_on_run(args, world_size: int, comm, device) -> str:
     """The run id every rank tags its files with: --run-id from the launcher, else rank 0 starts a
     run of its own in --out (manifest and lock, `zerolab.runs`). Rank 0 broadcasts it; raises
     ValueError (on every rank) when rank 0 could not start the run."""
     from .runs import begin_run
     payload, error = torch.zeros(256, dtype=torch.uint8), None
-    if dist.get_rank() == 0:
+    if comm.rank == 0:
         run_id = args.run_id
         if run_id is None:
             try:
@@ -264,7 +264,7 @@ def agree_on_run(args, world_size: int, device) -> str:
         text = ("E" + error if error else "R" + run_id).encode()[:256]
         payload[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
     payload = payload.to(device)
-    dist.broadcast(payload, src=0)
+    comm.broadcast(payload, 0, what="metric", unit="run_id")
     text = bytes(payload.cpu().tolist()).rstrip(b"\0").decode()
     if text[0] == "E":
         raise ValueError(text[1:])
@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     comm, device = setup(args)
     status = "failed"
     try:
-        args.run_id = agree_on_run(args, world_size, device)
+        args.run_id = agree_on_run(args, world_size, comm, device)
         results = []
         for stage in args.stage_list:
             result = run_stage(stage, args, comm, device, train_tokens, val_tokens)
