@@ -207,6 +207,9 @@ def main(argv=None) -> int:
     except LaunchInterrupted as err:
         print(f"zerolab {args.command}: {str(err).splitlines()[0]}", file=sys.stderr)
         return 130
+    except KeyboardInterrupt:
+        print(f"zerolab {args.command}: interrupted", file=sys.stderr)
+        return 130
     except LaunchError as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 1

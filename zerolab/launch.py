@@ -121,8 +121,8 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     private = tempfile.mkdtemp(prefix=f"zerolab-run-{os.getpid()}-")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": private,
            "JUPYTER_RUNTIME_DIR": os.path.join(private, "jupyter"), **(env or {})}
-    if sys.platform == "linux" and os.path.isdir("/sys/class/net/lo") and "--standalone" in cmd:
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")          # one node: gloo's sockets on loopback
+    if sys.platform == "linux" and os.path.isdir("/sys/class/net/lo") and "127.0.0.1" in cmd:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # all on this machine: gloo on loopback too
     tree = _Tree()
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

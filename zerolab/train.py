@@ -247,12 +247,19 @@ def stop_non_finite(stage, step, local, mean, norm, comm):
 
 
 def agree_on_run(args, world_size: int, comm, device) -> str:
-    """The run id every rank tags its files with: --run-id from the launcher, else rank 0 starts a
-    run of its own in --out (manifest and lock, `zerolab.runs`). Rank 0 broadcasts it; raises
-    ValueError (on every rank) when rank 0 could not start the run."""
+    """The run id every rank tags its files with: --run-id from a launcher (with several nodes
+    only node 0's launcher passes one, and torchrun's c10d rendezvous may give rank 0 to another
+    node, so the lowest rank that has one broadcasts it), else rank 0 starts a run of its own in
+    --out (manifest and lock, `zerolab.runs`). Raises ValueError (on every rank) when rank 0
+    could not start the run."""
     from .runs import begin_run
+    n = comm.world_size
+    has = torch.zeros(n, dtype=torch.int64, device=device)
+    comm.all_gather(has, torch.tensor([int(args.run_id is not None)], device=device),
+                    what="metric", unit="run_id")
+    src = next((r for r, h in enumerate(has.tolist()) if h), 0)
     payload, error = torch.zeros(256, dtype=torch.uint8), None
-    if comm.rank == 0:
+    if comm.rank == src:
         run_id = args.run_id
         if run_id is None:
             try:
@@ -264,7 +271,7 @@ def agree_on_run(args, world_size: int, comm, device) -> str:
         text = ("E" + error if error else "R" + run_id).encode()[:256]
         payload[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
     payload = payload.to(device)
-    comm.broadcast(payload, 0, what="metric", unit="run_id")
+    comm.broadcast(payload, src, what="metric", unit="run_id")
     text = bytes(payload.cpu().tolist()).rstrip(b"\0").decode()
     if text[0] == "E":
         raise ValueError(text[1:])
@@ -317,7 +324,7 @@ def main(argv=None) -> int:
             print(f"wrote {Path(args.out).resolve()}/stage*/rank*.json (run {args.run_id})", flush=True)
         status = "ok"
     except (ValueError, NonFinite) as err:
-        if comm.rank == 0:
+        if comm.rank == 0:                  # every rank raised the same one-line error
             print(f"zerolab.train: error: {err}", file=sys.stderr, flush=True)
         return 2 if isinstance(err, ValueError) else 3
     finally:
