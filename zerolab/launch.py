@@ -87,22 +87,21 @@ def resolve(nproc: int, backend: str = "auto", device: str = "auto", nnodes: int
 def torchrun_command(module_args: list[str], nproc: int, *, module: str = "zerolab.train",
                      nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
                      rdzv_id: str = "zerolab") -> list[str]:
-    """The argv that starts torchrun: `python -m zerolab.launch ...`, which is
-    `torch.distributed.run` with one change (see `loopback_torchrun`): a rendezvous store whose
-    host is loopback listens on 127.0.0.1 only. One node: --standalone with --local-addr
-    127.0.0.1 (everything on loopback). Several nodes: c10d rendezvous at `rdzv_endpoint`
-    (host:port), as torchrun documents for multi-node jobs."""
-    cmd = [sys.executable, "-m", "zerolab.launch", "--nproc-per-node", str(nproc)]
+    """The argv that starts torchrun. One node: `python -m zerolab.launch --standalone
+    --local-addr 127.0.0.1 ...`, i.e. torchrun with its stores on loopback only (see
+    `loopback_torchrun`); the same for a rendezvous endpoint on loopback. Several nodes:
+    `python -m torch.distributed.run` with c10d rendezvous at `rdzv_endpoint` (host:port), as
+    torchrun documents for multi-node jobs (its port must be reachable inside the cluster only)."""
     if nnodes == 1 and rdzv_endpoint is None:
-        cmd += ["--standalone", "--local-addr", "127.0.0.1"]
-    else:
-        if not rdzv_endpoint:
-            raise ValueError("several nodes need rdzv_endpoint HOST:PORT (the first node's address)")
-        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
-        if _is_loopback(rdzv_endpoint.rsplit(":", 1)[0].strip("[]")):
-            cmd += ["--local-addr", "127.0.0.1"]
-    return cmd + ["-m", module, *module_args]
+        return [sys.executable, "-m", "zerolab.launch", "--nproc-per-node", str(nproc), "--standalone",
+                "--local-addr", "127.0.0.1", "-m", module, *module_args]
+    if not rdzv_endpoint:
+        raise ValueError("several nodes need rdzv_endpoint HOST:PORT (the first node's address)")
+    loopback = _is_loopback(rdzv_endpoint.rsplit(":", 1)[0].strip("[]"))
+    cmd = [sys.executable, "-m", "zerolab.launch" if loopback else "torch.distributed.run",
+           "--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    return cmd + (["--local-addr", "127.0.0.1"] if loopback else []) + ["-m", module, *module_args]
 
 
 def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = None,
