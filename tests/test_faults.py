@@ -223,3 +223,31 @@ def test_interrupting_zerolab_labs_stops_the_whole_run(tmp_path, sig):
     left = pids_with(f"zerolab-run-{proc.pid}-")   # the kernel: its connection file is in there
     kill_all(left)
     assert not left, "the lab's kernel is still running"
+
+
+@pytest.mark.timeout(150)
+def test_ranks_die_with_their_agent_even_without_zerolabs_launcher(tmp_path):
+    """Plain torchrun (no zerolab launcher watching): SIGKILL its agent and every rank still
+    ends within seconds, by the parent-death signal each rank asks Linux for."""
+    out = str(tmp_path / "bare")
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", "-m", "zerolab.train", "--preset", "nano",
+                              "--steps", "100000", "--no-allocator", "--out", out],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    seen = []
+    for line in agent.stdout:
+        seen.append(line)
+        if "step 2/" in line:
+            break
+    ranks = [p for p in pids_with("-m zerolab.train", out) if p != agent.pid]
+    assert len(ranks) == 2, "".join(seen)
+    agent.kill()
+    agent.wait()
+    deadline = time.monotonic() + 15
+    while any(p in pids_with("-m zerolab.train", out) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in ranks if p in pids_with("-m zerolab.train", out)]
+    kill_all(left)
+    agent.stdout.close()
+    assert not left, f"ranks outlived their SIGKILLed agent: {left}"
