@@ -16,11 +16,19 @@ import sys
 from pathlib import Path
 
 from . import theory
-from .launch import LaunchError, LaunchInterrupted, resolve, run_torchrun
+from .launch import LaunchError, LaunchInterrupted, auto_note, resolve, run_torchrun
 from .preflight import check_data_path, check_finite, check_fits_memory, check_rdzv_endpoint
 from .runs import atomic_json, check_out_dir, start_run
 
-HELP = argparse.ArgumentDefaultsHelpFormatter
+class HELP(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" once: not when the help text already names its default, and not
+    for on/off flags (their default is always off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or isinstance(action, argparse._StoreTrueAction):
+            return text
+        return super()._get_help_string(action)
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
                "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout")
 
@@ -64,6 +72,8 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
                    help="ZeRO-3: gather the next block while the current one computes")
     p.add_argument("--save-params", action="store_true",
                    help="save each stage's final parameters to OUT/stage{S}/params.pt")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's forward in backward (torch.utils.checkpoint)")
     p.add_argument("--timeout", type=_positive_float, default=900,
                    help="seconds before the run is killed")
     p.add_argument("--overwrite", action="store_true",
@@ -122,7 +132,8 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch")
+    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
+                                                                  "activation_checkpointing")
              if getattr(args, flag)]
     return argv
 
@@ -162,6 +173,9 @@ def started(args, command: str):
 def launch(args, stages: str, run_id: str | None, backend: str, device: str) -> None:
     print(f"zerolab: {args.nproc * args.nnodes} rank(s), {backend} on {device}, stages {stages}, "
           f"preset {args.preset}" + (f", run {run_id}" if run_id else ""), flush=True)
+    note = auto_note(args.nproc, args.backend, args.device, backend, device)
+    if note:
+        print(f"zerolab: {note}", flush=True)
     argv = _train_argv(args, stages, args.out, backend, device)
     run_torchrun(argv + (["--run-id", run_id] if run_id else []), args.nproc,
                  timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank,

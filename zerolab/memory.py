@@ -73,7 +73,8 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         return {"source": "torch.cuda", "allocated_before": before, "peak_absolute": peak,
-                "peak_allocated": peak - before, "reserved": torch.cuda.memory_reserved(device)}
+                "peak_allocated": peak - before, "reserved": torch.cuda.memory_reserved(device),
+                "device": cuda_memory_figures(device)}
     from torch.distributed._tools.mem_tracker import MemTracker
     tracker = MemTracker()
     tracker.track_external(*external)
@@ -89,20 +90,55 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
     return {"source": "MemTracker", "peak_absolute": total, "by_type": by_type}
 
 
+# What each CUDA figure includes (printed next to them by labs/gpu_check.py).
+CUDA_FIGURES = {
+    "max_allocated": "torch.cuda.max_memory_allocated: peak bytes of live tensors from torch's "
+                     "caching allocator (model states, activations, temporaries); not NCCL's own "
+                     "buffers, not the CUDA context, not the allocator's cached free blocks",
+    "reserved": "torch.cuda.memory_reserved: bytes the caching allocator holds from the driver "
+                "(allocated + cached free blocks + fragmentation)",
+    "max_reserved": "torch.cuda.max_memory_reserved: its peak",
+    "device_used": "total - free of torch.cuda.mem_get_info: everything on the GPU, from every "
+                   "process: reserved + CUDA context + NCCL buffers + other processes",
+}
+
+
+def cuda_memory_figures(device) -> dict:
+    """Bytes on one CUDA device, from the allocator and from the driver (see CUDA_FIGURES):
+    {"allocated", "max_allocated", "reserved", "max_reserved", "device_free", "device_total",
+    "device_used"}. CUDA only; call after a synchronize."""
+    free, total = torch.cuda.mem_get_info(device)
+    return {"allocated": torch.cuda.memory_allocated(device),
+            "max_allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+            "max_reserved": torch.cuda.max_memory_reserved(device),
+            "device_free": free, "device_total": total, "device_used": total - free}
+
+
+SNAPSHOT_MAX_ENTRIES = 200_000
+
+
 @contextlib.contextmanager
-def cuda_memory_history(path: Path, tag: dict | None = None):
+def cuda_memory_history(path: Path, max_entries: int = SNAPSHOT_MAX_ENTRIES, tag: dict | None = None):
     """Record the CUDA caching allocator's history inside the block and write it to `path` as
-    JSON (`torch.cuda.memory._snapshot()` plus `tag`, e.g. the run id), which `zerolab.plots`
-    draws offline with matplotlib. JSON, not torch's `_dump_snapshot` pickle: reading a snapshot
-    must never unpickle (run) a file someone else put there. CUDA only."""
+    JSON, which `zerolab.plots` draws offline with matplotlib (torch's HTML viewer needs the
+    internet). JSON, not torch's `_dump_snapshot` pickle: reading a snapshot must never unpickle
+    (run) a file someone else put there. The file holds `tag` (e.g. the run id) and "snapshot":
+    torch's snapshot dict (`torch.cuda.memory._snapshot()`) plus "zerolab": {"allocated_at_start",
+    "allocated_at_end" (bytes), "max_entries"}: the history keeps only the last `max_entries`
+    events, and blocks allocated before recording began are freed inside it, so a plot needs
+    both. CUDA only."""
     from .runs import atomic_json
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    start = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
     try:
         yield
     finally:
-        snapshot = torch.cuda.memory._snapshot()
-        atomic_json(path, {**(tag or {}), "snapshot": snapshot}, default=str)
+        snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
+        snap["zerolab"] = {"allocated_at_start": start, "max_entries": max_entries,
+                           "allocated_at_end": torch.cuda.memory_allocated()}
+        atomic_json(path, {**(tag or {}), "snapshot": snap}, default=str)
 
 
 def padding_bytes(units, stage: int, precision: str = "bf16") -> dict[str, int]:
