@@ -114,8 +114,7 @@ def test_torchrun_agent_sigkilled_stops_every_rank_and_says_so(tmp_path):
     code, rest = run.finish(within=40)
     assert code == 3 and "torchrun was killed by SIGKILL" in rest, rest
     run.assert_clean()
-    assert not any(re.search(r"step \d+/", line) for line in rest.splitlines()[5:]), \
-        "ranks kept training after their agent died"
+    assert run.seconds < 30, "the launch went on long after its agent died (its timeout: 150 s)"
 
 
 @pytest.mark.timeout(150)
