@@ -104,10 +104,49 @@ class Launch:
         assert private_dirs(self.proc.pid) == [], "the launch's temp folder was left behind"
 
 
+# --- security: a single-node run listens on loopback only --------------------------------------
+def _listening() -> dict[str, str]:
+    """{socket inode: local address} of every listening TCP socket (/proc/net/tcp, tcp6)."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A":                    # TCP_LISTEN
+                found[f[9]] = f[1]
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
+        except OSError:
+            continue
+        if m:
+            inodes.add(m.group(1))
+    return inodes
+
+
+def _is_loopback(hex_addr: str) -> bool:
+    ip = hex_addr.split(":")[0]
+    if len(ip) == 8:                            # IPv4, little-endian: 0100007F = 127.0.0.1
+        return ip[-2:] == "7F"
+    return ip == "00000000000000000000000001000000"   # ::1
+
+
 @pytest.mark.timeout(150)
-def test_torchrun_agent_sigkilled_stops_every_rank_and_says_so(tmp_path):
+def test_loopback_only_listeners_then_agent_sigkill_stops_every_rank(tmp_path):
+    """Also checks, while the run trains, that every listening socket of torchrun's agent (its
+    rendezvous stores) and of the ranks (gloo) is on loopback, in the kernel's socket table."""
     run = Launch(tmp_path)
     (agent,) = run.agent()
+    listening = _listening()
+    sockets = {ino: listening[ino] for pid in [agent, *run.ranks()] for ino in _socket_inodes(pid)
+               if ino in listening}
+    assert len(sockets) >= 2, "found neither the rendezvous store nor gloo's listeners"
+    assert all(_is_loopback(a) for a in sockets.values()), \
+        f"listening beyond loopback: {sorted(a for a in sockets.values() if not _is_loopback(a))}"
     assert list(Path(tempfile.gettempdir()).glob(f"zerolab-run-{run.proc.pid}-*/torchelastic_*")), \
         "torchrun's torchelastic_* folder is not inside the launch's private temp folder"
     os.kill(agent, signal.SIGKILL)
