@@ -78,7 +78,8 @@ def launch(out: Path, stages: str, args, backend: str, device: str, nproc: int, 
     any other failure raises LaunchError."""
     argv = ["--stages", stages, "--preset", preset, "--steps", str(args.steps), "--out", str(out),
             "--backend", backend, "--device", device, "--grad-accum", str(accum),
-            "--batch-size", str(labs.batch_size_for(nproc * accum, args.batch_size))]
+            "--batch-size", str(labs.batch_size_for(nproc * accum, args.batch_size)),
+            "--overwrite"]                          # this script owns its runs folder
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     try:
