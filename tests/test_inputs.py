@@ -3,6 +3,7 @@ exit code is 2, nothing is launched and no output folder is made. Each kind hold
 of issue 9 and at least one more of the same kind."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -151,3 +152,44 @@ def test_activation_estimate_matches_what_autograd_saves():
 @pytest.mark.parametrize("value", ["3", "[1, 2]", "'0,1'", "tiny", "auto"])
 def test_good_lab_overrides_pass(value):
     assert labs._parse_overrides([f"steps={value}"]) == [("steps", value)]
+
+
+# --- non-finite numbers during training --------------------------------------------------------
+@pytest.mark.timeout(150)
+def test_non_finite_loss_stops_the_run_at_that_step_in_one_line(tmp_path):
+    """lr 1e30 turns the weights to inf in one step, so step 2's loss is nan: the run stops there
+    (no 3rd or 4th step, no result file) and the last line names stage, step, rank and value."""
+    out = tmp_path / "o"
+    res = subprocess.run([sys.executable, "-m", "zerolab", "train", "--nproc", "2", "--preset",
+                          "nano", "--steps", "4", "--lr", "1e30", "--out", str(out)],
+                         capture_output=True, text=True, timeout=140)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert last == ("zerolab train: error: DDP step 2: rank 0's loss is nan; the run stopped there "
+                    "(lower --lr, or use --precision fp32)"), res.stderr
+    assert "step 1/4" in res.stdout and "step 3/4" not in res.stdout
+    assert "Traceback" not in res.stdout + res.stderr
+    assert not list(out.glob("stage*/rank*.json"))
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+
+
+class _OneRank:
+    """The part of zerolab.comm.Comm that stop_non_finite uses, for a world of one."""
+    rank, world_size = 0, 1
+
+    def all_gather(self, output, input, **_):
+        output.copy_(input)
+
+
+@pytest.mark.parametrize("local, mean, norm, says", [
+    (float("inf"), float("inf"), 1.0, "rank 0's loss is inf"),
+    (2.0, 2.0, float("nan"), "the global gradient norm is nan (rank 0)"),
+    (2.0, 2.0, float("inf"), "the global gradient norm is inf (rank 0)"),
+])
+def test_non_finite_message_names_step_rank_and_value(local, mean, norm, says):
+    import torch
+
+    from zerolab.train import NonFinite, stop_non_finite
+    with pytest.raises(NonFinite) as err:
+        stop_non_finite(3, 6, torch.tensor(local), mean, norm, _OneRank())
+    assert str(err.value).startswith(f"ZeRO-3 step 7: {says};") and "\n" not in str(err.value)
