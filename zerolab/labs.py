@@ -454,20 +454,26 @@ def preset_table(presets=None, world_size: int = 8, precision: str = "bf16") -> 
 def load_params(out, stage: int) -> dict:
     """{name: fp32 tensor} saved by `zerolab.train --save-params` for `stage` under `out`.
 
-    Loaded with weights_only=True (tensors and plain containers only: never code). Raises
-    ValueError when the file belongs to another run than OUT/run.json names."""
+    Loaded with weights_only=True (tensors and plain containers only: never code). When OUT has a
+    run manifest, the file must be the one that run wrote: its sha256 must equal the one in that
+    run's stage{S}/rank0.json; ValueError otherwise."""
+    import hashlib
+
     import torch
 
     from .runs import read_manifest
     path = Path(out) / f"stage{stage}" / "params.pt"
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if "params" not in saved:               # written before files carried a run id
-        return saved
     manifest = read_manifest(out)
-    if manifest and saved.get("run_id") != manifest["run_id"]:
-        raise ValueError(f"{str(path)!r} belongs to run {saved.get('run_id')}, not to run "
-                         f"{manifest['run_id']} that {str(out)!r} holds")
-    return saved["params"]
+    if manifest:
+        try:
+            r0 = json.loads((path.parent / "rank0.json").read_text())
+        except (OSError, ValueError):
+            r0 = {}
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if r0.get("run_id") != manifest["run_id"] or r0.get("params_sha256") != digest:
+            raise ValueError(f"{str(path)!r} is not the file run {manifest['run_id']} wrote there "
+                             "(its sha256 is not in that run's rank0.json)")
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def max_param_diff(a: dict, b: dict) -> float:

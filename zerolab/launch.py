@@ -101,9 +101,11 @@ def torchrun_command(module_args: list[str], nproc: int, *, module: str = "zerol
                      rdzv_id: str = "zerolab") -> list[str]:
     """The argv that starts torchrun. One node: `python -m zerolab.launch --standalone
     --local-addr 127.0.0.1 ...`, i.e. torchrun with its stores on loopback only (see
-    `loopback_torchrun`); the same for a rendezvous endpoint on loopback. Several nodes:
-    `python -m torch.distributed.run` with c10d rendezvous at `rdzv_endpoint` (host:port), as
-    torchrun documents for multi-node jobs (its port must be reachable inside the cluster only)."""
+    `loopback_torchrun`). Several nodes: `python -m torch.distributed.run` with the static
+    rendezvous at `rdzv_endpoint` (host:port of node 0): global rank = node_rank x nproc + local
+    rank, so each node writes the same rank files every time (c10d would ignore --node-rank and
+    number the nodes in order of arrival); its port must be reachable inside the cluster only.
+    An endpoint on loopback (several launchers on one machine) uses the loopback wrapper too."""
     if nnodes == 1 and rdzv_endpoint is None:
         return [sys.executable, "-m", "zerolab.launch", "--nproc-per-node", str(nproc), "--standalone",
                 "--local-addr", "127.0.0.1", "-m", module, *module_args]
@@ -112,7 +114,7 @@ def torchrun_command(module_args: list[str], nproc: int, *, module: str = "zerol
     loopback = _is_loopback(rdzv_endpoint.rsplit(":", 1)[0].strip("[]"))
     cmd = [sys.executable, "-m", "zerolab.launch" if loopback else "torch.distributed.run",
            "--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+           "--rdzv-backend", "static", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
     return cmd + (["--local-addr", "127.0.0.1"] if loopback else []) + ["-m", module, *module_args]
 
 
@@ -197,8 +199,11 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
         own = [ln.strip() for ln in lines if ln.lstrip().startswith(RANK_ERROR)]
         if own:                                 # a rank said why in one line: that is the error
             raise LaunchError(own[0].split("error:", 1)[1].strip())
-        raise LaunchError(f"the ranks exited with code {proc.returncode}: {' '.join(cmd[2:])}",
-                          "".join(tail))
+        lost = [m for m in _PEER_LOST if m in "".join(tail)]
+        peer = (f"; a peer rank went away ({lost[0]!r}): did another node's launcher stop?"
+                if lost else "")
+        raise LaunchError(f"the ranks exited with code {proc.returncode}{peer}: "
+                          f"{' '.join(cmd[2:])}", "".join(tail))
     return "".join(lines)
 
 
@@ -406,6 +411,9 @@ def loopback_torchrun(argv=None) -> None:
     torchrun.main(argv)
 
 
+# what gloo / the TCP store report when a rank of another process or node has gone away
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "Connection refused")
 _NOISE = ("*****", "Setting OMP_NUM_THREADS", "further tune the variable")
 
 

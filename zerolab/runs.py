@@ -179,10 +179,32 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def continues(out, resume) -> bool:
+    """True when the checkpoint `resume` lies inside `out`: a resumed run that continues the
+    run OUT holds (its results are replaced, the checkpoints kept)."""
+    if not resume:
+        return False
+    out, resume = Path(out).resolve(), Path(resume).resolve()
+    return resume == out or out in resume.parents
+
+
+def _remove(path: Path, keep: list[Path]):
+    """Delete `path` (file or folder), except `keep` paths inside it and their contents."""
+    if any(path == k or path in k.parents for k in keep):
+        if path.is_dir() and not any(path == k for k in keep):
+            for child in path.iterdir():
+                _remove(child, keep)
+        return
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
 def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool = False,
-              run_id: str | None = None, outputs=None) -> Run:
+              run_id: str | None = None, outputs=None, resume=None) -> Run:
     """Lock OUT, check it holds no other run (or delete that run's outputs when `overwrite`),
-    write the manifest with status "running"; return the Run. Raises RunFolderError (one line)."""
+    write the manifest with status "running"; return the Run. Raises RunFolderError (one line).
+    `resume`: the checkpoint a resumed run starts from; when it lies inside OUT the run
+    continues OUT's run: the earlier results are replaced without --overwrite, the checkpoint
+    folder is kept."""
     out = check_out_dir(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -203,11 +225,15 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
         if old or held:
             what = (f"run {old['run_id']} ({old.get('command')}, started {old.get('started')}, "
                     f"{old.get('status')})" if old else f"{len(held)} result path(s) of an earlier run")
-            if not overwrite:
+            keep = []
+            if continues(out, resume):          # keep the whole checkpoints folder it is in
+                src = Path(resume).resolve()
+                keep = [src.parent if src.parent.name == "checkpoints" else src]
+            elif not overwrite:
                 raise RunFolderError(f"--out {str(out)!r} holds {what}; pass --overwrite to replace "
                                      "it, or choose another --out")
             for p in held:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                _remove(p.resolve(), keep)
         run_id = run_id or new_run_id()
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"run {run_id}, pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
