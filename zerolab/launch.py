@@ -394,7 +394,8 @@ def loopback_torchrun(argv=None) -> None:
     base = dist.TCPStore
 
     class TCPStore(base):
-        def __init__(self, host_name, port, *args, is_master=False, master_listen_fd=None, **kw):
+        def __init__(self, host_name, port, world_size=None, is_master=False, *args,
+                     master_listen_fd=None, **kw):
             if is_master and master_listen_fd is None and _is_loopback(host_name):
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 try:
@@ -404,7 +405,7 @@ def loopback_torchrun(argv=None) -> None:
                     raise RuntimeError(f"cannot listen on 127.0.0.1:{port}: {err}") from None
                 sock.listen(512)
                 port, master_listen_fd = sock.getsockname()[1], sock.detach()
-            super().__init__(host_name, port, *args, is_master=is_master,
+            super().__init__(host_name, port, world_size, is_master, *args,
                              master_listen_fd=master_listen_fd, **kw)
 
     dist.TCPStore = c10d_rendezvous_backend.TCPStore = TCPStore
