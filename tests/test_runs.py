@@ -179,12 +179,22 @@ def test_load_params_never_runs_a_planted_pickle(tmp_path):
     assert not marker.exists()
 
 
-def test_load_params_refuses_another_runs_file(tmp_path):
+def test_load_params_reads_only_the_file_its_run_wrote(tmp_path):
+    """params.pt stays a plain state dict; the run's rank0.json holds its sha256. A file put there
+    by anything else (another run, a person) is refused before torch.load sees it."""
+    import hashlib
+
     import torch
     out = tmp_path / "o"
-    finished_run(out, 1, stages=(0,))
-    torch.save({"run_id": "someone-else", "params": {"w": torch.ones(2)}}, out / "stage0" / "params.pt")
-    with pytest.raises(ValueError, match="belongs to run someone-else"):
+    run_id = finished_run(out, 1, stages=(0,))
+    path = out / "stage0" / "params.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    r0 = json.loads((out / "stage0" / "rank0.json").read_text())
+    runs.atomic_json(out / "stage0" / "rank0.json",
+                     {**r0, "params_sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
+    assert torch.equal(labs.load_params(out, 0)["w"], torch.ones(2))
+    torch.save({"w": torch.zeros(2)}, path)          # replaced behind the run's back
+    with pytest.raises(ValueError, match=f"not the file run {run_id} wrote there"):
         labs.load_params(out, 0)
 
 
