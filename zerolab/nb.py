@@ -45,7 +45,7 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
     starts, and zerolab.launch.LaunchError (with the rank's traceback) when the run fails.
     """
     from .cli import check_launch
-    from .runs import start_run
+    from .runs import check_out_dir, start_run
     from .train import build_parser
     chosen = resolve(nproc, backend, device)
     note = auto_note(nproc, backend, device, *chosen)
@@ -69,9 +69,12 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
     if unknown:
         raise ValueError(f"unknown zerolab.train option(s): {' '.join(unknown)}")
     args.nproc, args.nnodes, args.rdzv_endpoint = nproc, 1, None
-    check_launch(args)
+    if train_flags.get("resume"):           # the ranks fill the options from the checkpoint
+        check_out_dir(out)
+    else:
+        check_launch(args)
     with start_run(out, command="train", args=vars(args), world_size=nproc,
-                   overwrite=overwrite) as run:
+                   overwrite=overwrite, resume=train_flags.get("resume")) as run:
         run_torchrun(argv + ["--run-id", run.run_id], nproc, timeout=timeout, echo=echo)
         return load_run(out)
 
