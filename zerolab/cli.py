@@ -31,7 +31,8 @@ class HELP(argparse.ArgumentDefaultsHelpFormatter):
             return text
         return super()._get_help_string(action)
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
-               "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout")
+               "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout", "link_gbps",
+               "link_latency_us", "zero3_prefetch_depth")
 
 
 def _number(positive: bool = False):
@@ -80,6 +81,15 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
                    help="seconds before the run is killed")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run OUT already holds (default: refuse)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="emulate a link of this many Gb/s per rank (gloo): see zerolab/linkemu.py")
+    p.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
+    p.add_argument("--zero3-prefetch-depth", type=int, default=None,
+                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all)")
+    p.add_argument("--zero3-keep-root", action="store_true",
+                   help="ZeRO-3: keep the root unit gathered from forward into backward")
+    p.add_argument("--trace", action="store_true",
+                   help="Chrome/Perfetto trace of the last step but one: OUT/stage{S}/trace_rank{r}.json")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun: number of nodes")
     p.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank")
     p.add_argument("--rdzv-endpoint", default=None, help="torchrun: HOST:PORT of the first node")
@@ -94,6 +104,42 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--world-size", type=int, default=64, help="data-parallel ranks N")
     mem.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     mem.add_argument("--optimizer-bytes", type=_positive_float, default=None, help="K (default 12)")
+
+    tm = sub.add_parser("time", formatter_class=HELP, help="per-stage step time from the cost model (costmodel.py)")
+    tm.add_argument("--params", type=_positive_float, default=7.5e9, help="Ψ, e.g. 7.5e9")
+    tm.add_argument("--world-size", type=int, default=64, help="data-parallel ranks N")
+    tm.add_argument("--tokens-per-rank", type=_positive_float, default=4096, help="tokens per rank per step")
+    tm.add_argument("--blocks", type=int, default=32, help="equal blocks (ZeRO-3 gathers one at a time)")
+    tm.add_argument("--link", default="ib-ndr", help="a named link profile (costmodel.LINKS; a wrong name lists them)")
+    tm.add_argument("--link-gbps", type=_positive_float, default=None, help="custom bandwidth, Gb/s per rank per direction")
+    tm.add_argument("--link-latency-us", type=float, default=None, help="custom α, us per ring step")
+    tm.add_argument("--device", default="h100", help="a named device profile (costmodel.DEVICES)")
+    tm.add_argument("--device-tflops", type=_positive_float, default=None, help="custom peak, TFLOP/s")
+    tm.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak reached (MFU)")
+    tm.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+
+    wi = sub.add_parser("whatif", formatter_class=HELP, help="one rank of a large world on a fake process group (whatif.py)")
+    wi.add_argument("--preset", default="1b", help="nano, tiny, small, gpt2, medium, 1b")
+    wi.add_argument("--world-size", type=int, default=1024, help="data-parallel ranks N")
+    wi.add_argument("--rank", type=int, default=0, help="which rank to run")
+    wi.add_argument("--stage", "--stages", dest="stages", default="0,1,2,3", help="stage or comma list")
+    wi.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    wi.add_argument("--tokens-per-rank", type=_positive_float, default=4096, help="for the time model")
+    wi.add_argument("--link", default="ib-ndr", help="a named link profile (costmodel.LINKS)")
+    wi.add_argument("--device", default="h100", help="a named device profile (costmodel.DEVICES)")
+
+    from .bench import SYSTEMS
+    be = sub.add_parser("bench", formatter_class=HELP, help="zerolab stages vs torch DDP / ZeRO optimizer / FSDP2, interleaved (bench.py)")
+    be.add_argument("--nproc", type=int, default=2, help="gloo ranks on this machine")
+    be.add_argument("--preset", default="small", help="nano, tiny, small, ...")
+    be.add_argument("--systems", default=",".join(SYSTEMS), help="comma list")
+    be.add_argument("--rounds", type=int, default=7, help="timed rounds (one step of every system each)")
+    be.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    be.add_argument("--batch-size", type=int, default=8, help="global batch in rows")
+    be.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
+    be.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
+    be.add_argument("--out", default="runs/bench", help="writes OUT/bench.json")
+    be.add_argument("--timeout", type=float, default=1800, help="seconds before the run is killed")
 
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
     _add_launch_args(train, "0", 2, "tiny", 5)
@@ -135,6 +181,43 @@ def cmd_memory(args) -> int:
     return 0
 
 
+def cmd_time(args) -> int:
+    from . import costmodel
+    theory.check_world_size(args.world_size)
+    link = costmodel.get_link(args.link, args.link_gbps, args.link_latency_us)
+    device = costmodel.get_device(args.device, args.device_tflops)
+    print(costmodel.format_time_table(args.params, args.world_size, args.tokens_per_rank, link, device,
+                                      args.blocks, args.precision, args.efficiency))
+    return 0
+
+
+def cmd_whatif(args) -> int:
+    from . import costmodel, whatif
+    from .train import parse_stages
+    theory.check_world_size(args.world_size)
+    link, device = costmodel.get_link(args.link), costmodel.get_device(args.device)
+    reports = whatif.whatif(args.preset, args.world_size, parse_stages(args.stages), rank=args.rank,
+                            precision=args.precision)
+    print(whatif.format_whatif(reports, link, device, args.tokens_per_rank, args.precision))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import check_args
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc} must be >= 1")
+    args.lr, args.seed = 1e-3, 0
+    check_args(args, args.nproc)
+    argv = ["--preset", args.preset, "--systems", args.systems, "--rounds", str(args.rounds),
+            "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--out", args.out]
+    for flag in ("link_gbps", "link_latency_us"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    print(f"zerolab bench: {args.nproc} gloo rank(s), preset {args.preset}", flush=True)
+    run_torchrun(argv, args.nproc, timeout=args.timeout, module="zerolab.bench")
+    return 0
+
+
 def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[str]:
     argv = ["--stages", stages, "--out", out, "--backend", backend, "--device", device]
     for name in TRAIN_FLAGS:
@@ -142,7 +225,8 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
-                                                                  "activation_checkpointing")
+                                                        "trace", "zero3_keep_root",
+                                                        "activation_checkpointing")
              if getattr(args, flag)]
     for flag in ("save_every", "resume"):                   # train only
         if getattr(args, flag, None) is not None:
@@ -238,8 +322,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare,
-                "labs": cmd_labs, "checkpoint": cmd_checkpoint}[args.command](args)
+        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare, "time": cmd_time,
+                "whatif": cmd_whatif, "bench": cmd_bench, "labs": cmd_labs,
+                "checkpoint": cmd_checkpoint}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import STRATEGIES, checkpoint, theory
+from . import STRATEGIES, checkpoint, linkemu, theory, trace
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
 from .memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memory_history,
@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
     p.add_argument("--zero3-prefetch", action="store_true",
                    help="ZeRO-3: gather the next block while the current one computes")
+    p.add_argument("--zero3-prefetch-depth", type=int, default=None,
+                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all); overrides --zero3-prefetch")
+    p.add_argument("--zero3-keep-root", action="store_true",
+                   help="ZeRO-3: keep the root unit gathered from forward into backward")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's forward in backward (torch.utils.checkpoint)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -93,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: rank 0 starts a run of its own there)")
     p.add_argument("--overwrite", action="store_true",
                    help="without --run-id: replace the run OUT holds instead of refusing")
+    p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this many "
+                   "Gb/s per rank (linkemu.py; gloo only): collectives end no sooner than the model")
+    p.add_argument("--link-latency-us", type=float, default=None,
+                   help="emulated link latency α, microseconds per ring step (with --link-gbps)")
+    p.add_argument("--trace", action="store_true", help="torch.profiler Chrome trace of the last "
+                   "step but one per rank: OUT/stage{S}/trace_rank{r}.json (trace.py)")
     p.add_argument("--crash-rank", type=int, default=None, help=argparse.SUPPRESS)  # tests: this
     return p                                                                         # rank raises
 
@@ -119,6 +129,11 @@ def check_args(args, world_size: int):
     check_finite("--max-grad-norm", args.max_grad_norm)
     check_finite("--weight-decay", getattr(args, "weight_decay", 0.0), minimum=0)
     check_seed(args.seed)
+    depth = getattr(args, "zero3_prefetch_depth", None)
+    if depth is not None and depth < -1:
+        raise ValueError(f"--zero3-prefetch-depth {depth} must be >= 0, or -1 (all blocks)")
+    linkemu.from_args(getattr(args, "link_gbps", None), getattr(args, "link_latency_us", None),
+                      world_size)          # ValueError for a bad emulated link
     if args.batch_size % (world_size * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
                          f"{world_size} x --grad-accum {args.grad_accum}")
@@ -163,7 +178,9 @@ def make_strategy(stage, model, comm, args, meter):
     if stage == 1:
         kwargs["grad_op"] = args.zero1_grad_op
     if stage == 3:
-        kwargs["prefetch"] = args.zero3_prefetch
+        depth = getattr(args, "zero3_prefetch_depth", None)
+        kwargs["prefetch"] = args.zero3_prefetch if depth is None else depth
+        kwargs["keep_root"] = getattr(args, "zero3_keep_root", False)
     return STRATEGIES[stage](model, comm, **kwargs)
 
 
@@ -210,13 +227,17 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         total = torch.zeros((), dtype=torch.float32, device=device)   # stays on the device:
         for micro in range(A):                                           # no host sync per micro-step
             xm, ym = (rank_slice(t, rank, n, micro, A).to(device) for t in (x, y))
-            loss = strategy.forward(xm, ym)
-            strategy.backward(loss / A, sync=micro == A - 1)
+            with trace.phase("forward"):
+                loss = strategy.forward(xm, ym)
+            with trace.phase("backward"):
+                strategy.backward(loss / A, sync=micro == A - 1)
             total += loss.detach().float() / A
-        norm = strategy.step()
+        with trace.phase("step"):
+            norm = strategy.step()
         return total, norm
 
     losses, norms, times, allocator = [], [], [], None
+    trace_step = max(start, args.steps - 2)     # not the last: it runs the allocator cross-check
     for step in range(start, args.steps):
         comm.step = step
         if args.crash_rank == rank and step == args.steps - 1:
@@ -229,7 +250,9 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         snapshot = (cuda_memory_history(Path(args.out) / f"stage{stage}" / f"rank{rank}_snapshot.json",
                                         tag={"run_id": args.run_id, "stage": stage, "rank": rank})
                     if last and args.cuda_snapshot and device.type == "cuda" else contextlib.nullcontext())
-        with snapshot:
+        profiler = trace.chrome_trace(Path(args.out) / f"stage{stage}" / f"trace_rank{rank}.json",
+                                      device, enabled=args.trace and step == trace_step)
+        with snapshot, profiler:
             if last and not args.no_allocator:
                 result = {}
                 held = [t for cat, ts in strategy.state_tensors().items()     # the optimizer
@@ -304,7 +327,11 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         "preset": args.preset, "model_config": cfg.__dict__, "num_params": psi,
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
-        "zero3_prefetch": args.zero3_prefetch if stage == 3 else None,
+        "zero3_prefetch": (args.zero3_prefetch if args.zero3_prefetch_depth is None
+                           else args.zero3_prefetch_depth) if stage == 3 else None,
+        "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
+        "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
+                 if args.link_gbps is not None else None),
         "seed": args.seed, "start_step": start, "resumed_from": ckpt and str(ckpt.folder),
         "checkpoints": saved, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
         "step_times_s": times,
@@ -423,11 +450,15 @@ def main(argv=None) -> int:
         cfg = check_args(args, world_size)
         check_device(args)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
+        link = linkemu.from_args(args.link_gbps, args.link_latency_us, world_size)
+        if link is not None and args.backend != "gloo":
+            raise ValueError(f"--link-gbps emulates a link for gloo only, not --backend {args.backend}")
     except ValueError as err:
         if int(os.environ["RANK"]) == 0:
             print(f"zerolab.train: error: {err}", file=sys.stderr)
         return 2
     comm, device = setup(args)
+    comm.link = link
     status = "failed"
     try:
         args.run_id = agree_on_run(args, world_size, comm, device)
