@@ -12,13 +12,14 @@ naming the bad value; a failed launch exits 1 with the failing rank's traceback.
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import contextlib
 import sys
 from pathlib import Path
 
 from . import theory
-from .launch import LaunchError, auto_note, resolve, run_torchrun
+from .launch import LaunchError, LaunchInterrupted, auto_note, resolve, run_torchrun
+from .preflight import check_data_path, check_finite, check_fits_memory, check_rdzv_endpoint
+from .runs import atomic_json, check_out_dir, start_run
 
 class HELP(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" once: not when the help text already names its default, and not
@@ -34,14 +35,18 @@ TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "pre
                "link_latency_us", "zero3_prefetch_depth", "weight_decay", "grad_dtype")
 
 
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
+def _number(positive: bool = False):
+    """An argparse type: a finite float (> 0 when `positive`); the error names the value."""
+    def parse(text):
+        try:
+            return check_finite("", text, positive=positive)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).strip()) from None
+    parse.__name__ = "positive number" if positive else "number"
+    return parse
+
+
+_positive_float = _number(positive=True)
 
 
 def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_default):
@@ -60,14 +65,14 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
                    help="bf16: 2+2+4+4+4 bytes/param; fp32: exact equivalence runs")
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS,
                    help="ZeRO-1 gradient path: the notes' all_reduce, or reduce_scatter")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1,
                    help="AdamW weight decay of 2-D weights (biases, LayerNorm: none; nanoGPT)")
     p.add_argument("--grad-dtype", default=None, choices=("bf16", "fp32"),
                    help="gradient dtype (default: --precision); fp32: 18 bytes/param")
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="allow parameters that get no gradient in a step (torch DDP's flag)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="global clipping; <= 0: none")
+    p.add_argument("--max-grad-norm", type=_number(), default=1.0, help="global clipping; <= 0: none")
     p.add_argument("--seed", type=int, default=0, help="model init and batch sampling")
     p.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
     p.add_argument("--timeline", action="store_true", help="record memory over the last step")
@@ -78,7 +83,10 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
                    "to OUT/stage{S}/params.pt")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's forward in backward (torch.utils.checkpoint)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds before the run is killed")
+    p.add_argument("--timeout", type=_positive_float, default=900,
+                   help="seconds before the run is killed")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run OUT already holds (default: refuse)")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="emulate a link of this many Gb/s per rank (gloo): see zerolab/linkemu.py")
     p.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
@@ -101,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--params", type=_positive_float, default=7.5e9, help="Ψ, e.g. 7.5e9")
     mem.add_argument("--world-size", type=int, default=64, help="data-parallel ranks N")
     mem.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
-    mem.add_argument("--optimizer-bytes", type=float, default=None, help="K (default 12)")
+    mem.add_argument("--optimizer-bytes", type=_positive_float, default=None, help="K (default 12)")
     mem.add_argument("--grad-dtype", default=None, choices=("bf16", "fp32"),
                      help="gradient dtype (default: --precision); fp32: 18 bytes/param")
 
@@ -158,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     labs.add_argument("--only", default=None, help="comma list of lab name fragments")
     labs.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
                       help="papermill parameter override for every lab (repeatable)")
-    labs.add_argument("--timeout", type=float, default=900, help="seconds per lab")
+    labs.add_argument("--timeout", type=_positive_float, default=900, help="seconds per lab")
+    labs.add_argument("--overwrite", action="store_true",
+                      help="replace the labs run OUT already holds (default: refuse)")
 
     from .checkpoint import add_parser
     add_parser(sub)
@@ -242,45 +252,71 @@ def check_launch(args) -> tuple[str, str]:
     from .data import load_tokens
     from .train import check_args
     backend, device = resolve(args.nproc, args.backend, args.device, args.nnodes)
+    world_size = args.nproc * args.nnodes
     if getattr(args, "resume", None):       # fills the options not given from the checkpoint
         from .checkpoint import given_options
         from .train import check_resume     # (rank 0 prints what differs from the checkpoint)
-        check_resume(args, given_options(build_parser(), args.argv), args.nproc * args.nnodes)
-    load_tokens(args.data, check_args(args, args.nproc * args.nnodes).block_size)
+        check_resume(args, given_options(build_parser(), args.argv), world_size)
+    cfg = check_args(args, world_size)
+    check_out_dir(args.out)
+    if args.rdzv_endpoint is not None:
+        check_rdzv_endpoint(args.rdzv_endpoint)
+    if args.data is not None:
+        check_data_path(args.data)
+    load_tokens(args.data, cfg.block_size)
+    check_fits_memory(cfg, batch_size=args.batch_size, nproc=args.nproc, world_size=world_size,
+                      grad_accum=args.grad_accum, stages=args.stage_list, precision=args.precision,
+                      device=device)
     return backend, device
 
 
-def launch(args, stages: str) -> None:
+@contextlib.contextmanager
+def started(args, command: str):
+    """Check the arguments, then start the run in --out (lock + manifest, `zerolab.runs`); yield
+    (run id, backend, device). A node other than node 0 starts no run: node 0 owns it."""
     backend, device = check_launch(args)
+    if args.node_rank:
+        yield None, backend, device
+        return
+    with start_run(args.out, command=command, args=vars(args), overwrite=args.overwrite,
+                   world_size=args.nproc * args.nnodes,
+                   resume=getattr(args, "resume", None)) as run:
+        yield run.run_id, backend, device
+
+
+def launch(args, stages: str, run_id: str | None, backend: str, device: str) -> None:
     if getattr(args, "resume", None):
         stages = args.stages                # check_launch took it from the checkpoint if not given
     print(f"zerolab: {args.nproc * args.nnodes} rank(s), {backend} on {device}, stages {stages}, "
-          f"preset {args.preset}", flush=True)
+          f"preset {args.preset}" + (f", run {run_id}" if run_id else ""), flush=True)
     note = auto_note(args.nproc, args.backend, args.device, backend, device)
     if note:
         print(f"zerolab: {note}", flush=True)
-    run_torchrun(_train_argv(args, stages, args.out, backend, device), args.nproc,
+    argv = _train_argv(args, stages, args.out, backend, device)
+    run_torchrun(argv + (["--run-id", run_id] if run_id else []), args.nproc,
                  timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank,
                  rdzv_endpoint=args.rdzv_endpoint)
 
 
 def cmd_train(args) -> int:
-    launch(args, args.stages)
+    with started(args, "train") as (run_id, backend, device):
+        launch(args, args.stages, run_id, backend, device)
     return 0
 
 
 def cmd_compare(args) -> int:
     from .report import compare_rows, format_rows, load_run, plot_compare
-    launch(args, args.stages)               # rank 0 prints the table of its own numbers
-    runs = load_run(args.out)
-    rows = compare_rows(runs)                # every rank's: the maxima over ranks
-    if any(r["model_states"] != r["theory_states"] or r["traffic"] != r["theory_traffic"]
-           for r in rows):
-        print("\nsome rank differs from the formula; maxima over all ranks:")
-        print(format_rows(rows))
-    out = Path(args.out)
-    (out / "compare.json").write_text(json.dumps(rows, indent=1))
-    png = plot_compare(runs, out / "compare.png")
+    with started(args, "compare") as (run_id, backend, device):
+        launch(args, args.stages, run_id, backend, device)   # rank 0 prints its own numbers
+        runs = load_run(args.out)
+        rows = compare_rows(runs)                # every rank's: the maxima over ranks
+        if any(r["model_states"] != r["theory_states"] or r["traffic"] != r["theory_traffic"]
+               for r in rows):
+            print("\nsome rank differs from the formula; maxima over all ranks:")
+            print(format_rows(rows))
+        out = Path(args.out)
+        atomic_json(out / "compare.json", {"run_id": run_id, "rows": rows})
+        png = plot_compare(runs, out / "compare.png")
     print(f"\nwrote {out / 'compare.json'} and {png}")
     return 0
 
@@ -305,6 +341,12 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except LaunchInterrupted as err:
+        print(f"zerolab {args.command}: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"zerolab {args.command}: interrupted", file=sys.stderr)
+        return 130
     except LaunchError as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 1

@@ -10,7 +10,8 @@ bytes, hatched, in the colour of what they hold.
 """
 from __future__ import annotations
 
-import pickle
+import json
+
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -297,14 +298,15 @@ def snapshot_series(snap: dict, max_entries: int | None = None) -> list[dict]:
 
 
 def cuda_snapshot(path, title: str = ""):
-    """Allocated bytes (absolute, see `snapshot_series`) over the events of a
-    `torch.cuda.memory._dump_snapshot` pickle, drawn offline (the built-in HTML viewers load
-    JavaScript from the internet). Reads what `memory.cuda_memory_history` adds under
-    "zerolab" when present: the allocated bytes when recording began (a dotted line) and the
-    buffer size, to say on the plot when old events were dropped."""
+    """Allocated bytes (absolute, see `snapshot_series`) over the events of a CUDA allocator
+    snapshot that `memory.cuda_memory_history` wrote as JSON, drawn offline (the built-in HTML
+    viewers load JavaScript from the internet). Never unpickles: a pickle could run code. Reads
+    what `cuda_memory_history` adds under "zerolab" when present: the allocated bytes when
+    recording began (a dotted line) and the buffer size, to say on the plot when old events
+    were dropped."""
     from .memory import SNAPSHOT_MAX_ENTRIES
-    with open(path, "rb") as f:
-        snap = pickle.load(f)
+    snap = json.loads(Path(path).read_text())
+    snap = snap.get("snapshot", snap)
     meta = snap.get("zerolab") or {}
     fig, ax = plt.subplots(figsize=(14, 3.6))
     notes = []
