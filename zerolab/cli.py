@@ -1,9 +1,11 @@
-"""The `zerolab` command: memory | train | compare | labs.
+"""The `zerolab` command: memory | train | compare | labs | check | doctor.
 
     zerolab memory --params 7.5e9 --world-size 64     # the ZeRO paper's table, from the formulas
     zerolab train --stage 2 --nproc 4                  # one stage under torchrun
     zerolab compare                                    # stages 0-3 on this machine: the main job
     zerolab labs                                       # execute every lab notebook, write a report
+    zerolab check ddp --impl my_ddp.py                 # grade an exercise (zerolab.exercises)
+    zerolab doctor                                     # is this machine ready for the course?
 
 Every subcommand checks its arguments before any process starts and exits 2 with one line
 naming the bad value; a failed launch exits 1 with the failing rank's traceback.
@@ -89,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     labs.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
                       help="papermill parameter override for every lab (repeatable)")
     labs.add_argument("--timeout", type=float, default=900, help="seconds per lab")
+
+    chk = sub.add_parser("check", formatter_class=HELP,
+                         help="grade your code for an exercise on gloo ranks (zerolab.exercises)")
+    chk.add_argument("exercise", nargs="?", default=None,
+                     help="shard_range, ddp, zero1, zero2 or zero3")
+    chk.add_argument("--impl", default=None, help="your .py file (or a dotted module)")
+    chk.add_argument("--nproc", type=int, default=3, help="gloo ranks, 2-4")
+    chk.add_argument("--timeout", type=float, default=90, help="seconds before the ranks are killed")
+    chk.add_argument("--list", action="store_true", help="list the exercises and their skeletons")
+
+    sub.add_parser("doctor", formatter_class=HELP,
+                   help="check this machine for the course (each line OK or the fix; < 30 s)")
     return parser
 
 
@@ -161,11 +175,21 @@ def cmd_labs(args) -> int:
     return run_labs(args)
 
 
+def cmd_check(args) -> int:
+    from .exercises import cli_check
+    return cli_check(args)
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import main as doctor_main
+    return doctor_main()
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare,
-                "labs": cmd_labs}[args.command](args)
+                "labs": cmd_labs, "check": cmd_check, "doctor": cmd_doctor}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 2

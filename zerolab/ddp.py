@@ -18,6 +18,16 @@ import torch
 from .sharding import build_units, clip_grad_norm_, make_optimizer, on_grads_ready, optimizer_states
 
 
+def all_reduce_bucket(comm, unit, world_size: int):
+    """Called from the gradient hook as soon as every gradient of `unit` is in `unit.grad_flat`
+    ([Ψ_u], replicated): start an async all_reduce of the bucket that leaves the *average* over
+    the ranks in it; return the Handle (backward waits for it before the step).
+    Exercise (b) of notebooks/exercises: `zerolab check ddp --impl FILE` replaces it."""
+    handle = comm.all_reduce(unit.grad_flat, what="grads", unit=unit.name, async_op=True)
+    handle.on_done = lambda: unit.grad_flat.div_(world_size)        # sum -> average
+    return handle
+
+
 class DDP:
     stage = 0
 
@@ -58,9 +68,7 @@ class DDP:
 
     def _grads_ready(self, u):
         if self.sync:
-            handle = self.comm.all_reduce(u.grad_flat, what="grads", unit=u.name, async_op=True)
-            handle.on_done = lambda: u.grad_flat.div_(self.n)          # sum -> average
-            self.inflight.append(handle)
+            self.inflight.append(all_reduce_bucket(self.comm, u, self.n))
             self._sample(f"all_reduce {u.name}")
 
     # --- step: every rank runs the same AdamW on the full state ------------------------------

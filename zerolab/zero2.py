@@ -21,6 +21,25 @@ from .sharding import (build_units, clip_grad_norm_, make_optimizer, on_grads_re
                        on_pre_backward, optimizer_states)
 
 
+def reduce_scatter_bucket(comm, unit, world_size: int):
+    """Called from the gradient hook as soon as every gradient of `unit` is in `unit.bucket`
+    ([Ψ_u] bf16, this rank's full local gradient): start an async reduce_scatter whose result,
+    averaged over the ranks, is *added* to `unit.grad_shard` ([Ψ_u/N], this rank's range; added
+    so that micro-steps accumulate); when it is done, free the bucket (`unit.bucket = None` and
+    every `p.grad = None` of `unit.params`). Return the Handle.
+    Exercise (d) of notebooks/exercises: `zerolab check zero2 --impl FILE` replaces it."""
+    out = torch.empty_like(unit.grad_shard)                        # [Ψ_u/N] bf16
+    handle = comm.reduce_scatter(out, unit.bucket, what="grads", unit=unit.name, async_op=True)
+
+    def done():
+        unit.grad_shard.add_(out.div_(world_size))                 # accumulate the averaged shard
+        unit.bucket = None                                         # free the full-gradient bucket
+        for p in unit.params:
+            p.grad = None
+    handle.on_done = done
+    return handle
+
+
 class ZeRO2:
     stage = 2
 
@@ -72,17 +91,7 @@ class ZeRO2:
     def _grads_ready(self, u):
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
-        out = torch.empty_like(u.grad_shard)                   # [Ψ_u/N] bf16
-        handle = self.comm.reduce_scatter(out, u.bucket, what="grads", unit=u.name,
-                                          async_op=True)
-
-        def done(u=u, out=out):
-            u.grad_shard.add_(out.div_(self.n))                # accumulate the averaged shard
-            u.bucket = None                                    # free the full-gradient bucket
-            for p in u.params:
-                p.grad = None
-        handle.on_done = done
-        self.inflight.append(handle)
+        self.inflight.append(reduce_scatter_bucket(self.comm, u, self.n))
         self._sample(f"reduce_scatter {u.name}")
 
     # --- step: update the owned range, then all_gather every rank's range ---------------------
