@@ -103,3 +103,19 @@ def test_exercise_notebooks_start_from_the_package_skeletons():
                 assert body == EXERCISES[name].skeleton.read_text(), (path.name, name)
                 seen.add(name)
     assert seen == set(EXERCISES)
+
+
+def test_numeric_answers_are_graded_against_theory(capsys):
+    from zerolab.exercises import answer, reveal
+    from zerolab.exercises.answers import QUESTIONS
+    for qid, q in QUESTIONS.items():
+        want = reveal(qid)
+        assert answer(qid, want)
+        assert not answer(qid, want * 1.1 + 1)              # 10 % off is not right
+    out = capsys.readouterr().out
+    assert "not yet" in out and "reveal(" in out
+    assert answer("02.3", 14) and not answer("02.3", 13)    # 16 × 70e9 / 80e9 = 14 ranks
+    assert not answer("02.1", None)
+    assert "is not a number" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="question '99.9' is not one of"):
+        answer("99.9", 1)
