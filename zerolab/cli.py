@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     labs.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
                       help="papermill parameter override for every lab (repeatable)")
     labs.add_argument("--timeout", type=float, default=900, help="seconds per lab")
+    labs.add_argument("--reference", action="store_true",
+                      help="plot the committed CPU reference run instead of launching ranks")
 
     chk = sub.add_parser("check", formatter_class=HELP,
                          help="grade your code for an exercise on gloo ranks (zerolab.exercises)")
@@ -172,6 +174,8 @@ def cmd_compare(args) -> int:
 
 def cmd_labs(args) -> int:
     from .labs import run_labs
+    if args.reference:                       # papermill's kernels inherit the environment
+        os.environ["ZEROLAB_REFERENCE"] = "1"
     return run_labs(args)
 
 

@@ -213,9 +213,15 @@ def check_worker(rank, n, name, impl):
         # --- the global gradient norm clip_grad_norm_ saw (AdamW after clipping hides a scale) -
         want_norm = ref["norms"][step]
         if abs(norm - want_norm) > 2e-6 * abs(want_norm):          # test_equivalence's rel 2e-6
+            ratio = norm / want_norm
+            why = ("the gradients are summed, not averaged: divide by world_size"
+                   if abs(ratio - n) < 0.01 * n else
+                   "divided by world_size twice?" if abs(ratio * n - 1) < 0.01 else
+                   "part of a gradient is lost or counted twice: micro-steps must accumulate "
+                   "(add), and the average is taken once the collective is done (on_done)")
             finding(step, "gradient norm", f"global gradient norm {norm:.7g}, expected "
                     f"{want_norm:.7g} (torch's clip_grad_norm_ on the global batch), "
-                    f"{norm / want_norm:.3g} x: are the gradients averaged over the ranks?")
+                    f"{ratio:.3g} x: {why}")
         # --- bytes sent this step: the ledger against the formula --------------------------
         sent = comm.bytes_by_op(step=step)
         want = theory.traffic_bytes(psi, n, ex.stage, "fp32", grad_accum=ACCUM)
