@@ -119,3 +119,4 @@ def test_numeric_answers_are_graded_against_theory(capsys):
     assert "is not a number" in capsys.readouterr().out
     with pytest.raises(ValueError, match="question '99.9' is not one of"):
         answer("99.9", 1)
+
