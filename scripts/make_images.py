@@ -25,35 +25,52 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
 from zerolab import theory
+from zerolab.plots import COLLECTIVE_COLORS, STATE_COLORS
 
 ROOT = Path(__file__).resolve().parent.parent
 DPI = 100
-COLORS = {"params": "#4C72B0", "grads": "#DD8452", "master_weights": "#55A868",
-          "exp_avg": "#C44E52", "exp_avg_sq": "#8172B3"}
+COLORS = STATE_COLORS                     # one colour per state and per collective, course-wide
 LABELS = {"params": "bf16 weights (2Ψ)", "grads": "bf16 grads (2Ψ)",
           "master_weights": "fp32 master (4Ψ)", "exp_avg": "fp32 exp_avg m_t (4Ψ)",
           "exp_avg_sq": "fp32 exp_avg_sq v_t (4Ψ)"}
 
 
 def memory_by_stage(psi: float = 7.5e9, world_size: int = 64, optimizer_bytes=None):
-    """Stacked bars: per-rank GB of each model state at each stage (activations excluded)."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    """Stacked bars: per-rank GB of each model state at each stage (activations excluded). A bar
+    under 5 % of DDP's would be a sliver, so the last stages are drawn again, enlarged, in an
+    inset with its own scale."""
+    fig, ax = plt.subplots(figsize=(10, 4.6))
     rows = theory.memory_table(psi, world_size, optimizer_bytes=optimizer_bytes)
-    for i, row in enumerate(rows):
-        bottom = 0.0
-        for state in theory.STATES:
-            gb = row[state] / 1e9
-            ax.bar(i, gb, 0.6, bottom=bottom, color=COLORS[state],
-                   label=LABELS[state] if i == 0 else None)
-            bottom += gb
-        ax.text(i, bottom, f"{bottom:.3g} GB\n{row['bytes_per_param']:.4g}Ψ", ha="center",
-                va="bottom", fontsize=9)
-    ax.set_xticks(range(len(rows)), [f"{r['name']}" for r in rows])
-    ax.set_ylim(0, rows[0]["total"] / 1e9 * 1.22)
-    ax.set_ylabel("GB per rank (1 GB = 1e9 bytes)")
+
+    def bars(axis, picked, labels=True):
+        for i in picked:
+            bottom = 0.0
+            for state in theory.STATES:
+                gb = rows[i][state] / 1e9
+                axis.bar(i, gb, 0.6, bottom=bottom, color=COLORS[state],
+                         label=LABELS[state] if labels and i == picked[0] else None)
+                bottom += gb
+            axis.text(i, bottom, f"{bottom:.3g} GB\n{rows[i]['bytes_per_param']:.4g}Ψ", ha="center",
+                      va="bottom", fontsize=9)
+
+    bars(ax, list(range(len(rows))))
+    ax.set_xticks(range(len(rows)), [f"{r['name']}" for r in rows], fontsize=10)
+    ax.tick_params(axis="y", labelsize=9)
+    top = rows[0]["total"] / 1e9
+    ax.set_ylim(0, top * 1.22)
+    ax.set_ylabel("GB per rank (1 GB = 1e9 bytes)", fontsize=9)
     ax.set_title(f"Model states per rank: Ψ = {psi / 1e9:g}B parameters, N = {world_size} ranks, "
                  "AdamW + bf16", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    small = [i for i, r in enumerate(rows) if r["total"] / 1e9 < 0.05 * top]
+    if small:                                 # enlarge the slivers, on their own scale
+        ins = ax.inset_axes([0.56, 0.46, 0.42, 0.42])
+        bars(ins, small, labels=False)
+        ins.set_xticks(small, [rows[i]["name"] for i in small], fontsize=9)
+        ins.set_xlim(small[0] - 0.6, small[-1] + 0.6)
+        ins.set_ylim(0, max(rows[i]["total"] for i in small) / 1e9 * 1.45)
+        ins.tick_params(axis="y", labelsize=8)
+        ins.set_title("enlarged (own GB scale)", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -86,7 +103,7 @@ def zero_stages(psi: float = 7.5e9, world_size: int = 64, shown_ranks: int = 4):
                 va="center", fontsize=9)
         ax.set_xlim(-0.2, 21)
         ax.set_ylim(-0.2, n)
-        ax.set_yticks([r + 0.4 for r in range(n)], [f"rank {r}" for r in range(n)], fontsize=7)
+        ax.set_yticks([r + 0.4 for r in range(n)], [f"rank {r}" for r in range(n)], fontsize=8)
         ax.invert_yaxis()
         ax.set_title(f"{theory.STAGE_NAMES[stage]}: " + {
             0: "every rank holds every state",
@@ -135,29 +152,32 @@ def ring_steps(n: int = 4) -> list[tuple[str, list[list[frozenset]], set]]:
 def ring_allreduce(n: int = 4):
     """The ring all-reduce, one panel per step (rows: ranks, columns: chunks of S/n)."""
     steps = ring_steps(n)
-    fig, axes = plt.subplots(1, len(steps), figsize=(2.0 * len(steps), 2.9))
-    cmap = plt.get_cmap("Blues")
+    fig, axes = plt.subplots(1, len(steps), figsize=(2.35 * len(steps), 3.4))
+    cmap = plt.get_cmap("Greys")
     for ax, (title, cells, sent) in zip(axes, steps):
+        phase = "all_gather" if title.startswith("all-gather") else "reduce_scatter"
         for r in range(n):
             for c in range(n):
                 contrib = cells[r][c]
                 full = len(contrib) == n
-                ax.add_patch(Rectangle((c, r), 0.95, 0.9, color=cmap(0.2 + 0.7 * len(contrib) / n)))
+                ax.add_patch(Rectangle((c, r), 0.95, 0.9, color=cmap(0.08 + 0.5 * len(contrib) / n)))
                 label = "Σ" if full else "+".join(str(i) for i in sorted(contrib))
                 ax.text(c + 0.47, r + 0.45, label, ha="center", va="center", fontsize=8,
-                        color="white" if len(contrib) > n / 2 else "black")
+                        color="black")
                 if ((r - 1) % n, c) in sent:
-                    ax.add_patch(Rectangle((c, r), 0.95, 0.9, fill=False, edgecolor="#C44E52", lw=2))
+                    ax.add_patch(Rectangle((c, r), 0.95, 0.9, fill=False, lw=2.5,
+                                           edgecolor=COLLECTIVE_COLORS[phase]))
         ax.set_xlim(0, n)
         ax.set_ylim(n, 0)
-        ax.set_xticks([c + 0.47 for c in range(n)], [f"c{c}" for c in range(n)], fontsize=7)
-        ax.set_yticks([r + 0.45 for r in range(n)], [f"r{r}" for r in range(n)], fontsize=7)
-        ax.set_title(title, fontsize=8)
+        ax.set_xticks([c + 0.47 for c in range(n)], [f"c{c}" for c in range(n)], fontsize=8)
+        ax.set_yticks([r + 0.45 for r in range(n)], [f"r{r}" for r in range(n)], fontsize=8)
+        ax.set_title(title, fontsize=9)
         ax.tick_params(length=0)
         for side in ax.spines.values():
             side.set_visible(False)
     fig.suptitle(f"Ring all-reduce on n = {n} ranks: 2(n-1) = {2 * (n - 1)} steps, each rank sends "
-                 f"one chunk of S/n per step -> 2(n-1)/n·S per rank (red: chunk just received)",
+                 f"one chunk of S/n per step -> 2(n-1)/n·S per rank\n(frame: chunk just received, "
+                 f"green in the reduce-scatter steps, blue in the all-gather steps: the collectives' colours)",
                  fontsize=9)
     fig.tight_layout()
     return fig
@@ -180,7 +200,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name, make in FIGURES.items():
         fig = make()
-        fig.savefig(out / name, dpi=DPI)
+        fig.savefig(out / name, dpi=DPI, bbox_inches="tight")
         plt.close(fig)
         print(f"wrote {out / name}")
     return 0

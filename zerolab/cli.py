@@ -19,9 +19,17 @@ import sys
 from pathlib import Path
 
 from . import theory
-from .launch import LaunchError, resolve, run_torchrun
+from .launch import LaunchError, auto_note, resolve, run_torchrun
 
-HELP = argparse.ArgumentDefaultsHelpFormatter
+class HELP(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" once: not when the help text already names its default, and not
+    for on/off flags (their default is always off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or isinstance(action, argparse._StoreTrueAction):
+            return text
+        return super()._get_help_string(action)
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
                "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout")
 
@@ -61,6 +69,8 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
                    help="ZeRO-3: gather the next block while the current one computes")
     p.add_argument("--save-params", action="store_true",
                    help="save each stage's final parameters to OUT/stage{S}/params.pt")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's forward in backward (torch.utils.checkpoint)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the run is killed")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun: number of nodes")
     p.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank")
@@ -128,7 +138,8 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch")
+    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
+                                                                  "activation_checkpointing")
              if getattr(args, flag)]
     return argv
 
@@ -146,6 +157,9 @@ def launch(args, stages: str) -> None:
     backend, device = check_launch(args)
     print(f"zerolab: {args.nproc * args.nnodes} rank(s), {backend} on {device}, stages {stages}, "
           f"preset {args.preset}", flush=True)
+    note = auto_note(args.nproc, args.backend, args.device, backend, device)
+    if note:
+        print(f"zerolab: {note}", flush=True)
     run_torchrun(_train_argv(args, stages, args.out, backend, device), args.nproc,
                  timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank,
                  rdzv_endpoint=args.rdzv_endpoint)

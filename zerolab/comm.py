@@ -13,9 +13,27 @@ Conventions (nccl-tests PERFORMANCE.md): S is the full, unsharded array in bytes
 S / t and busbw = algbw × the same factor. On gloo, reduce_scatter is an all_reduce plus a local
 slice underneath, so its wall time looks like an all_reduce: the ledger counts the *logical*
 ring bytes, not what gloo puts on the wire.
+
+Time: each record's `time_s` is that collective's own duration, not "issue to wait() returned"
+(which would include the compute done meanwhile and the collectives queued ahead of it). The host
+never synchronises once per collective; `settle()` fills the durations (train calls it once per
+step, after the step's one device synchronise). How depends on the backend (`time_source`,
+explained by `TIME_SOURCES`):
+
+- nccl: NCCL's own CUDA events around the kernel on its stream (the process group's timing,
+  `TORCH_NCCL_ENABLE_TIMING=1`, switched on by `Comm`), read with `work._get_duration()` once the
+  work has completed. Includes time a rank waits inside the kernel for a late peer.
+- gloo: torch offers no per-op duration for gloo, so the ledger takes the completion time where
+  the work runs (a done-callback on gloo's worker thread) and subtracts the moment the op could
+  start: its issue, or - when earlier ops of the group still occupied gloo's worker threads (2 by
+  default; gloo starts a group's ops in issue order) - the moment one became free. `issue_to_done_s`
+  keeps the plain host-side "issue to completion" next to it. gloo's reduce_scatter returns a
+  work without a future: its completion is seen when wait() returns ("gloo_wait", an upper bound
+  that includes whatever ran between its completion and the wait).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +50,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 PHASES = ("setup", "forward", "backward", "step", "eval")
 
+# What each record's time_s is, by how it was measured (shown next to every time / busbw figure).
+TIME_SOURCES = {
+    "nccl": "per-op: NCCL's CUDA events around the kernel (TORCH_NCCL_ENABLE_TIMING), read once a step",
+    "gloo": "per-op: completion on gloo's worker thread minus when a worker could start it "
+            "(torch gives gloo no duration; queue wait removed)",
+    "gloo_wait": "upper bound: gloo op with no completion callback (its reduce_scatter), "
+                 "queue-corrected issue to wait() returning",
+    "none": "not timed (this backend gave no duration; NCCL needs TORCH_NCCL_ENABLE_TIMING=1)",
+}
+
 
 @dataclass
 class Record:
@@ -46,8 +74,10 @@ class Record:
     group_size: int       # n, ranks in the group the collective ran on
     size_bytes: int       # S in bytes
     bytes: float          # per-rank ring bytes: S × RING_FACTOR[op](n)
-    time_s: float = float("nan")   # issue -> wait() returned (upper bound when overlapped)
+    time_s: float = float("nan")   # this op's own duration (see time_source); nan until settled
     seq: int = 0          # order of issue on this rank
+    time_source: str = ""          # a key of TIME_SOURCES, set when settled
+    issue_to_done_s: float = float("nan")   # gloo: issue -> completion on the host (queue included)
 
     @property
     def algbw(self) -> float:
@@ -62,28 +92,38 @@ class Record:
 
 @dataclass
 class Handle:
-    """A collective in flight. `wait()` blocks until done, times it, then runs `on_done`."""
+    """A collective in flight. `wait()` makes its result usable, then runs `on_done`.
+
+    wait() never synchronises the host with the device: on NCCL it only orders the current CUDA
+    stream after the collective; on gloo it blocks until gloo's worker finished the op. The
+    duration is filled later by `Comm.settle()`.
+    """
     work: object
     record: Record
-    started: float
-    events: tuple | None = None
+    started: float                          # perf_counter() just before the op was issued
+    comm: object = None
+    cuda: bool = False                      # the tensors are on a CUDA device
     on_done: object = None
     done: bool = field(default=False)
+    completed_at: float | None = None       # gloo: perf_counter() when the worker finished it
+    no_stamp: bool = False                  # gloo op without a future: seen at wait() only
 
     def wait(self):
         if self.done:
             return
         if self.work is not None:
             self.work.wait()
-        if self.events is not None:
-            self.events[1].record()
-            self.events[1].synchronize()
-            self.record.time_s = self.events[0].elapsed_time(self.events[1]) / 1e3
-        else:
-            self.record.time_s = time.perf_counter() - self.started
+            if self.comm is not None and self.comm.backend != "nccl":
+                now = time.perf_counter()   # completion happened before wait() returned
+                self.completed_at = min(self.completed_at or now, now)
         self.done = True
+        if self.record.time_source:         # already settled: the Work is no longer needed
+            self.work = None
         if self.on_done is not None:
-            self.on_done()
+            on_done, self.on_done = self.on_done, None
+            on_done()
+        if self.comm is not None:
+            self.comm.settle(block=False)
 
 
 class Comm:
@@ -103,6 +143,17 @@ class Comm:
         self.records: list[Record] = []
         self.step = 0
         self.current_phase = "setup"
+        self.backend = dist.get_backend(group)
+        self._pending: list[Handle] = []        # issued, duration not read yet (issue order)
+        self._gloo_free: list[float] = []       # gloo: the latest completions settled so far
+        self._gloo_last_start = 0.0
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        if self.backend == "nccl" and hasattr(pg, "_enable_collectives_timing"):
+            pg._enable_collectives_timing()     # = TORCH_NCCL_ENABLE_TIMING=1 for this group
+        try:
+            self.gloo_threads = int(pg._get_backend(torch.device("cpu")).options._threads)
+        except Exception:  # noqa: BLE001 - not gloo, or an older torch: gloo's default
+            self.gloo_threads = 2
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -163,15 +214,85 @@ class Comm:
                         size_bytes=size, bytes=size * theory.RING_FACTOR[op](n),
                         seq=len(self.records))
         self.records.append(record)
-        events = None
-        if full.is_cuda:
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        handle = Handle(work=None, record=record, started=time.perf_counter(), events=events)
+        handle = Handle(work=None, record=record, started=time.perf_counter(), comm=self,
+                        cuda=full.is_cuda)
         handle.work = call()
+        if self.backend != "nccl":
+            self._stamp_completion(handle)
+        self._pending.append(handle)
         if not async_op:
             handle.wait()
         return handle
+
+    # --- durations --------------------------------------------------------------------------
+    def _stamp_completion(self, handle):
+        """gloo: note when the op completes, where it runs (its future's done-callback runs on
+        gloo's worker thread). Works without a future (gloo's reduce_scatter) are only seen
+        complete when their owner's wait() returns: an upper bound (time_source "gloo_wait").
+        (Waiting for them from a watcher thread races with the owner's wait: the result is
+        copied out inside wait().)"""
+        def stamp(*_, handle=handle):
+            now = time.perf_counter()
+            handle.completed_at = min(handle.completed_at or now, now)
+        try:
+            handle.work.get_future().add_done_callback(stamp)
+        except RuntimeError:                # "Work::getFuture not implemented"
+            handle.no_stamp = True
+
+    def settle(self, block: bool = True):
+        """Fill `time_s` (seconds) of the collectives issued so far, in issue order.
+
+        block=True (once per step, and before the ledger is read): on CUDA one
+        `torch.cuda.synchronize()`, on gloo a wait for ops nobody waited for; then every pending
+        record gets its duration. block=False: settle only those already complete, without
+        waiting (what `Handle.wait` does).
+        """
+        if block and self._pending:
+            if any(h.cuda for h in self._pending):
+                torch.cuda.synchronize()
+        while self._pending:
+            h = self._pending[0]
+            if self.backend == "nccl":
+                if not (block or h.work.is_completed()):
+                    return
+                self._settle_nccl(h)
+            else:
+                if h.completed_at is None:
+                    if not block:
+                        return
+                    h.work.wait()           # nobody waited for it: wait now (no on_done)
+                    h.completed_at = h.completed_at or time.perf_counter()
+                self._settle_gloo(h)
+            if h.done:                      # drop the Work and the tensors it references
+                h.work = None               # (not before its owner waited: CUDA stream order)
+            self._pending.pop(0)
+
+    def _settle_nccl(self, h):
+        get = getattr(h.work, "_get_duration", None) or getattr(h.work, "get_duration", None)
+        try:
+            h.record.time_s, h.record.time_source = get() / 1e3, "nccl"
+        except Exception:  # noqa: BLE001 - timing off, or an older torch
+            h.record.time_source = "none"
+
+    def _settle_gloo(self, h):
+        # gloo starts a group's ops in issue order on `gloo_threads` workers: an op starts at
+        # its issue, after the previous op started, and once fewer than gloo_threads earlier
+        # ops are still running (the gloo_threads-th latest earlier completion).
+        k = self.gloo_threads
+        busy_until = self._gloo_free[-k] if len(self._gloo_free) >= k else 0.0
+        start = max(h.started, self._gloo_last_start, busy_until)
+        h.record.time_s = max(h.completed_at - start, 0.0)
+        h.record.issue_to_done_s = h.completed_at - h.started
+        h.record.time_source = "gloo_wait" if h.no_stamp else "gloo"
+        self._gloo_last_start = start
+        # an upper-bound completion ("gloo_wait") would make later ops look as if they started
+        # late; count it as no worker time instead (later ops' times may then be upper bounds)
+        bisect.insort(self._gloo_free, h.started if h.no_stamp else h.completed_at)
+        del self._gloo_free[:-k]
+
+    def time_sources(self) -> list[str]:
+        """The TIME_SOURCES keys of the settled records (usually one)."""
+        return sorted({r.time_source for r in self.records if r.time_source})
 
     def bytes_by_op(self, step: int | None = None, what=("grads", "params")) -> dict[str, float]:
         """Per-rank ring bytes summed by op, for one step (or all) and the given `what` kinds."""
@@ -182,5 +303,6 @@ class Comm:
         return out
 
     def to_json(self) -> list[dict]:
-        """The ledger as a list of plain dicts (with algbw / busbw in bytes/s)."""
+        """The ledger as a list of plain dicts (with algbw / busbw in bytes/s); settles first."""
+        self.settle()
         return [{**asdict(r), "algbw": r.algbw, "busbw": r.busbw} for r in self.records]

@@ -253,7 +253,16 @@ def traffic_rows(runs: dict[int, list[dict]], label: str | None = None) -> list[
             if recs:
                 per_step = max(1, r0["steps"] - 1) * len(ranks)
                 busbws = sorted(x["busbw"] for x in recs if x["busbw"] == x["busbw"])
+                by_step: dict = {}           # (rank, step) -> seconds in this op: the spread
+                for r in ranks:
+                    for x in r["comm"]["records"]:
+                        if x["op"] == op and x["what"] in ("grads", "params") and (
+                                x["step"] >= 1 or r0["steps"] == 1):
+                            by_step[r["rank"], x["step"]] = by_step.get((r["rank"], x["step"]), 0.0) + x["time_s"]
                 timing[op] = {"seconds_per_step": sum(x["time_s"] for x in recs) / per_step,
+                              "per_step_s": sorted(by_step.values()),
+                              "time_sources": sorted({x.get("time_source") or "issue_to_wait"
+                                                      for x in recs}),
                               "calls_per_step": len(recs) / per_step,
                               "median_busbw": busbws[len(busbws) // 2] if busbws else float("nan"),
                               "median_size_bytes": sorted(x["size_bytes"] for x in recs)[len(recs) // 2]}
@@ -295,7 +304,11 @@ def format_traffic_table(rows: list[dict]) -> str:
 
 
 def format_timing_table(rows: list[dict]) -> str:
-    """Wall time and busbw per collective (machine-dependent: never compare these in nbval)."""
+    """Each collective's own time per step and busbw (machine-dependent: never compare these in
+    nbval), then one line per way the times were measured (zerolab.comm.TIME_SOURCES)."""
+    from .comm import TIME_SOURCES
+    how = {**TIME_SOURCES, "issue_to_wait": "issue to wait() returning (a run recorded before "
+           "per-op timing: includes compute and queued collectives)"}
     lines = [f"{'stage':<26}{'collective':<16}{'calls/step':>11}{'ms/step':>10}{'median S (B)':>14}"
              f"{'median busbw':>16}"]
     for row in rows:
@@ -303,6 +316,9 @@ def format_timing_table(rows: list[dict]) -> str:
             lines.append(f"{row['name']:<26}{op:<16}{t['calls_per_step']:>11.0f}"
                          f"{1e3 * t['seconds_per_step']:>10.2f}{t['median_size_bytes']:>14,}"
                          f"{t['median_busbw'] / 1e6:>12.1f} MB/s")
+    sources = sorted({src for row in rows for t in row["timing"].values()
+                      for src in t.get("time_sources", [])})
+    lines += [f"times ({src}): {how.get(src, src)}" for src in sources]
     return "\n".join(lines)
 
 
@@ -545,9 +561,14 @@ def run_labs(args) -> int:
     return 1 if any(r["status"] != "ok" for r in results) else 0
 
 
+_NOISE = re.compile(r"Executing Cell|Ending Cell|Kernel is running over TCP without encryption"
+                    r"|^\s*(\S+ \S+ \[\w+\]\s*)?<Figure size [^>]*>\s*$")
+
+
 def _lab_echo(line: str):
-    """papermill's log: keep the ranks' progress and the lab's own prints, drop kernel chatter."""
-    if "Executing Cell" in line or "Ending Cell" in line or not line.strip():
+    """papermill's log: keep the ranks' progress and the lab's own prints, drop kernel chatter
+    (cell markers, the kernel's TCP-encryption warning, `<Figure ...>` reprs of plotted cells)."""
+    if not line.strip() or _NOISE.search(line):
         return
     print("   ", re.sub(r"^\S+ \S+ \[\w+\]\s*", "", line), flush=True)
 

@@ -71,6 +71,18 @@ def resolve(nproc: int, backend: str = "auto", device: str = "auto", nnodes: int
     return backend, device
 
 
+def auto_note(nproc: int, requested_backend: str, requested_device: str, backend: str,
+              device: str, gpus: int | None = None) -> str:
+    """One line when "auto" ran on the CPU although GPUs are visible (too few for one NCCL rank
+    each): what was chosen and how to share the GPU(s) instead; "" otherwise."""
+    gpus = cuda_device_count() if gpus is None else gpus
+    if "auto" not in (requested_backend, requested_device) or device != "cpu" or gpus == 0:
+        return ""
+    return (f"auto chose {backend} on CPU: {gpus} GPU(s) visible, but NCCL needs one GPU per rank "
+            f"and {nproc} rank(s) were asked for; to share the GPU(s) use backend gloo with device "
+            "cuda (--backend gloo --device cuda)")
+
+
 def torchrun_command(module_args: list[str], nproc: int, *, module: str = "zerolab.train",
                      nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
                      rdzv_id: str = "zerolab") -> list[str]:

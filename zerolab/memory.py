@@ -15,6 +15,7 @@ Categories (bytes): params, grads, master_weights, exp_avg, exp_avg_sq (the five
 from __future__ import annotations
 
 import contextlib
+import pickle
 import time
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         return {"source": "torch.cuda", "allocated_before": before, "peak_absolute": peak,
-                "peak_allocated": peak - before, "reserved": torch.cuda.memory_reserved(device)}
+                "peak_allocated": peak - before, "reserved": torch.cuda.memory_reserved(device),
+                "device": cuda_memory_figures(device)}
     from torch.distributed._tools.mem_tracker import MemTracker
     tracker = MemTracker()
     tracker.track_external(*external)
@@ -89,18 +91,54 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
     return {"source": "MemTracker", "peak_absolute": total, "by_type": by_type}
 
 
+# What each CUDA figure includes (printed next to them by labs/gpu_check.py).
+CUDA_FIGURES = {
+    "max_allocated": "torch.cuda.max_memory_allocated: peak bytes of live tensors from torch's "
+                     "caching allocator (model states, activations, temporaries); not NCCL's own "
+                     "buffers, not the CUDA context, not the allocator's cached free blocks",
+    "reserved": "torch.cuda.memory_reserved: bytes the caching allocator holds from the driver "
+                "(allocated + cached free blocks + fragmentation)",
+    "max_reserved": "torch.cuda.max_memory_reserved: its peak",
+    "device_used": "total - free of torch.cuda.mem_get_info: everything on the GPU, from every "
+                   "process: reserved + CUDA context + NCCL buffers + other processes",
+}
+
+
+def cuda_memory_figures(device) -> dict:
+    """Bytes on one CUDA device, from the allocator and from the driver (see CUDA_FIGURES):
+    {"allocated", "max_allocated", "reserved", "max_reserved", "device_free", "device_total",
+    "device_used"}. CUDA only; call after a synchronize."""
+    free, total = torch.cuda.mem_get_info(device)
+    return {"allocated": torch.cuda.memory_allocated(device),
+            "max_allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+            "max_reserved": torch.cuda.max_memory_reserved(device),
+            "device_free": free, "device_total": total, "device_used": total - free}
+
+
+SNAPSHOT_MAX_ENTRIES = 200_000
+
+
 @contextlib.contextmanager
-def cuda_memory_history(path: Path):
+def cuda_memory_history(path: Path, max_entries: int = SNAPSHOT_MAX_ENTRIES):
     """Record the CUDA caching allocator's history inside the block and dump it to `path` (a
     pickle that `zerolab.plots` draws offline with matplotlib; torch's HTML viewer needs the
-    internet). CUDA only."""
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    internet). The pickle is torch's snapshot dict (what `_dump_snapshot` writes) plus
+    "zerolab": {"allocated_at_start", "allocated_at_end" (bytes), "max_entries"}: the history
+    keeps only the last `max_entries` events, and blocks allocated before recording began are
+    freed inside it, so a plot needs both. CUDA only."""
+    start = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
     try:
         yield
     finally:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
+        snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
+        snap["zerolab"] = {"allocated_at_start": start, "max_entries": max_entries,
+                           "allocated_at_end": torch.cuda.memory_allocated()}
+        with open(path, "wb") as f:
+            pickle.dump(snap, f)
 
 
 def padding_bytes(units, stage: int, precision: str = "bf16") -> dict[str, int]:

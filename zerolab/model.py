@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     tie_weights: bool = True    # output head shares the token embedding (GPT-2)
+    activation_checkpointing: bool = False   # keep only each block's input; recompute in backward
 
 
 PRESETS = {
@@ -46,11 +48,18 @@ def get_config(preset: str, **overrides) -> GPTConfig:
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). x: [B, T, C]."""
+    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). x: [B, T, C].
+
+    With `cfg.activation_checkpointing` the block saves only its input x for backward and runs
+    its forward again inside backward (`torch.utils.checkpoint`, non-reentrant): the block's
+    internal activations are not kept, at the price of a second forward of every block. The
+    checkpoint wraps the block's computation, not the module call, so the module hooks of
+    ZeRO-2/3 (gather, free, bucket) fire once per pass as without it."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.activation_checkpointing = cfg.activation_checkpointing
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.attn_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
@@ -59,6 +68,11 @@ class Block(nn.Module):
         self.mlp_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x):
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
         B, T, C = x.shape
         q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)                # [B, T, C] each
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 
-from .launch import resolve, run_torchrun
+from .launch import auto_note, resolve, run_torchrun
 from .report import load_run
 
 
@@ -47,7 +47,11 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
         echo(f"reference results ({first['world_size']} {first['backend']} ranks, preset "
              f"{first.get('preset', '?')}, the reference CPU machine): no ranks launched")
         return r0
-    backend, device = resolve(nproc, backend, device)
+    chosen = resolve(nproc, backend, device)
+    note = auto_note(nproc, backend, device, *chosen)
+    backend, device = chosen
+    if note and echo:
+        echo(note)
     argv = ["--stages", str(stages), "--preset", preset, "--steps", str(steps), "--out", str(out),
             "--backend", backend, "--device", device]
     for name, value in train_flags.items():

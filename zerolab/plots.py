@@ -19,9 +19,15 @@ from . import theory
 from .labs import COLLECTIVES, TRANSIENT, step_records, step_timeline, unit_bytes
 
 MB = 1e6
-STATE_COLORS = {"params": "C0", "grads": "C1", "master_weights": "C2", "exp_avg": "C3",
-                "exp_avg_sq": "C4", "grad_buckets": "C1", "gathered_params": "C0"}
-OP_COLORS = {"all_reduce": "C5", "reduce_scatter": "C6", "all_gather": "C9", "broadcast": "C7"}
+# --- the course's colours: every figure (labs, `zerolab compare`, notebooks, scripts/make_images.py)
+# takes a collective's / a state's colour from here, so all_gather is the same blue everywhere.
+COLLECTIVE_COLORS = {"all_reduce": "#D55E00", "reduce_scatter": "#009E73", "all_gather": "#0072B2",
+                     "broadcast": "#CC79A7"}           # Okabe-Ito: vermillion, green, blue, purple
+STATE_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "master_weights": "#55A868",
+                "exp_avg": "#C44E52", "exp_avg_sq": "#8172B3",
+                "grad_buckets": "#DD8452", "gathered_params": "#4C72B0"}   # transient: hatched
+OP_COLORS = COLLECTIVE_COLORS                          # old name
+FONT = 9                                               # pt: tick labels, legends, annotations >= 8
 PHASE_COLORS = {"forward": "#e8f1fb", "backward": "#fbeee6", "step": "#eaf7ea", "eval": "#f3f3f3"}
 
 
@@ -40,18 +46,41 @@ def _title(runs) -> str:
 
 
 # --- lab 1 ---------------------------------------------------------------------------------------
+def _legend_below(ax, ncol=3, offset=-0.16):
+    """Legend under the axes (never over bars or values); collectives in the course's order."""
+    handles, labels = ax.get_legend_handles_labels()
+    order = {op: i for i, op in enumerate(COLLECTIVE_COLORS)}
+    pairs = sorted(zip(handles, labels), key=lambda hl: order.get(hl[1], -1))
+    ax.legend(*zip(*pairs) if pairs else ([], []), fontsize=FONT, ncol=ncol, loc="upper center",
+              bbox_to_anchor=(0.5, offset), frameon=False)
+
+
+def identical_style(k: int) -> dict:
+    """Marker style of the k-th of several curves that may coincide: hollow markers of different
+    shapes and sizes, so that every curve stays visible where they lie on top of each other."""
+    return {"marker": "osD^x"[k % 5], "ms": max(5, 15 - 3 * k), "mfc": "none", "mew": 2}
+
+
+def _wrap(name: str) -> str:
+    """"ZeRO-1 (reduce_scatter)" -> two lines, so that neighbouring tick labels do not collide."""
+    return name.replace(" (", "\n(")
+
+
 def memory_by_stage(runs: dict[int, list[dict]]):
     """Left: per stage, one stacked bar per rank (measured model states, then the transient
-    peaks hatched on top) next to the formula bar. Right: the allocator's peak against the
-    meter's: model states + transient peaks + what only the allocator sees."""
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    peaks hatched on top) next to the formula bar, the bars of one stage grouped with a gap
+    between stages. Right: the allocator's peak against the meter's: model states + transient
+    peaks + what only the allocator sees."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 5.6), gridspec_kw={"width_ratios": [3, 2]})
     stages = sorted(runs)
     nranks = len(runs[stages[0]])
-    width = 0.8 / (nranks + 1)
+    group = nranks + 1                                   # rank bars + the formula bar
+    width = 0.85
     ticks, labels = [], []
     for i, s in enumerate(stages):
+        x0 = i * (group + 1.2)                           # 1.2 bar widths of gap between stages
         for k, r in enumerate(runs[s]):
-            x = i + (k - nranks / 2) * width
+            x = x0 + k
             bottom = 0.0
             for state in theory.STATES:
                 v = r["memory"]["model_states"][state] / MB
@@ -65,28 +94,34 @@ def memory_by_stage(runs: dict[int, list[dict]]):
                            hatch="xx", edgecolor="k", linewidth=0.3,
                            label=f"{cat} (peak)" if not _has_label(ax, f"{cat} (peak)") else None)
                     bottom += v
-        x = i + (nranks / 2) * width
+            ticks.append(x)
+            labels.append(f"r{k}")
+        x = x0 + nranks
         bottom = 0.0
         for state in theory.STATES:
             v = runs[s][0]["theory"]["model_states_padded"][state] / MB
             ax.bar(x, v, width, bottom=bottom, color=STATE_COLORS[state], alpha=0.35, hatch="//",
-                   edgecolor="white")
+                   edgecolor="white", label="formula (hatched)" if (i, state) == (0, "params") else None)
             bottom += v
-        ticks.append(i)
-        labels.append(f"{theory.STAGE_NAMES[s]}\n" + " ".join(f"r{k}" for k in range(nranks)) + " | f")
-    ax.set_xticks(ticks, labels, fontsize=8)
-    ax.set(title="model states per rank: measured (r0, r1, ...) | formula (f)",
-           ylabel="MB (1e6 bytes)")
-    ax.legend(fontsize=7, ncol=2)
+        ticks.append(x)
+        labels.append("f")
+        ax.text(x0 + nranks / 2, -0.09, theory.STAGE_NAMES[s], ha="center", va="top", fontsize=FONT + 1,
+                transform=ax.get_xaxis_transform())
+    ax.set_xticks(ticks, labels, fontsize=FONT)
+    ax.tick_params(axis="y", labelsize=FONT)
+    ax.set_title("model states per rank: measured on each rank (r0, r1, ...) | formula (f)", fontsize=FONT + 1)
+    ax.set_ylabel("MB (1e6 bytes)", fontsize=FONT)
+    _legend_below(ax, ncol=4, offset=-0.17)
 
     width = 0.38
     for i, s in enumerate(stages):
         r = max(runs[s], key=lambda r: (r["memory"].get("allocator") or {}).get("peak_absolute") or 0)
         states = r["memory"]["model_states_total"] / MB
         trans = sum(r["memory"]["peak"].get(c, 0) for c in TRANSIENT) / MB
-        ax2.bar(i - width / 2, states, width, color="C2", label="model states" if i == 0 else None)
-        ax2.bar(i - width / 2, trans, width, bottom=states, color="C1", alpha=0.35, hatch="xx",
-                label="transient peaks (meter)" if i == 0 else None)
+        ax2.bar(i - width / 2, states, width, color="0.45", label="model states (meter)" if i == 0 else None)
+        if trans:
+            ax2.bar(i - width / 2, trans, width, bottom=states, color="#DD8452", alpha=0.35, hatch="xx",
+                    label="transient peaks (meter)" if not _has_label(ax2, "transient peaks (meter)") else None)
         alloc = r["memory"].get("allocator") or {}
         peak = (alloc.get("peak_absolute") or 0) / MB
         by_type = alloc.get("by_type")
@@ -99,17 +134,19 @@ def memory_by_stage(runs: dict[int, list[dict]]):
                             label=f"MemTracker {k}" if not _has_label(ax2, f"MemTracker {k}") else None)
                     bottom += v / MB
         elif peak:                           # CUDA: absolute peak; the rest is activations etc.
-            ax2.bar(i + width / 2, states + trans, width, color="C2", alpha=0.5)
+            ax2.bar(i + width / 2, states + trans, width, color="0.45", alpha=0.5)
             ax2.bar(i + width / 2, max(0.0, peak - states - trans), width, bottom=states + trans,
-                    color="C7", alpha=0.6, label="activations, temporaries" if i == 0 else None)
+                    color="0.5", alpha=0.6, label="activations, temporaries" if i == 0 else None)
         if peak:
-            ax2.text(i + width / 2, peak, f"{peak:.2f}", ha="center", va="bottom", fontsize=7)
+            ax2.text(i + width / 2, peak, f"{peak:.2f}", ha="center", va="bottom", fontsize=FONT)
     src = (next(iter(runs.values()))[0]["memory"].get("allocator") or {}).get("source", "allocator")
-    ax2.set_xticks(range(len(stages)), [f"{theory.STAGE_NAMES[s]}\nmeter | {src}" for s in stages],
-                   fontsize=8)
-    ax2.set(title=f"peak of the last step: meter vs {src}", ylabel="MB (1e6 bytes)")
-    ax2.legend(fontsize=7)
-    fig.suptitle(_title(runs))
+    ax2.set_xticks(range(len(stages)), [theory.STAGE_NAMES[s] for s in stages], fontsize=FONT)
+    ax2.tick_params(axis="y", labelsize=FONT)
+    ax2.margins(y=0.12)
+    ax2.set_title(f"peak of the last step (busiest rank)\nleft bar: meter, right bar: {src}", fontsize=FONT + 1)
+    ax2.set_ylabel("MB (1e6 bytes)", fontsize=FONT)
+    _legend_below(ax2, ncol=3, offset=-0.17)
+    fig.suptitle(_title(runs), fontsize=FONT + 2)
     fig.tight_layout()
     return fig
 
@@ -121,34 +158,52 @@ def _has_label(ax, label):
 # --- lab 2 ---------------------------------------------------------------------------------------
 def traffic_by_stage(rows: list[dict]):
     """Left: bytes per rank per step by collective, measured | formula, per stage (rows from
-    zerolab.labs.traffic_rows). Right: wall time per step by collective (machine-dependent)."""
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.6))
+    zerolab.labs.traffic_rows). Right: wall time per step in each collective: the median over
+    every (rank, step) sample but the first step, with the range (min-max) as an error bar
+    (machine-dependent: one run on a shared machine is noise, the range shows how much)."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5.2))
     width = 0.38
     for i, row in enumerate(rows):
         bm = bf = 0.0
         for op in COLLECTIVES:
             m, f = row["measured"][op] / MB, row["formula"][op] / MB
-            ax.bar(i - width / 2, m, width, bottom=bm, color=OP_COLORS[op],
-                   label=op if i == 0 else None)
-            ax.bar(i + width / 2, f, width, bottom=bf, color=OP_COLORS[op], alpha=0.35, hatch="//",
-                   edgecolor="white")
+            if m:
+                ax.bar(i - width / 2, m, width, bottom=bm, color=COLLECTIVE_COLORS[op],
+                       label=op if not _has_label(ax, op) else None)
+            if f:
+                ax.bar(i + width / 2, f, width, bottom=bf, color=COLLECTIVE_COLORS[op], alpha=0.35,
+                       hatch="//", edgecolor="white")
             bm, bf = bm + m, bf + f
         two_psi = 2 * row["num_params_padded"]
-        ax.text(i - width / 2, bm, f"{bm * MB / two_psi:.2f}·2Ψ", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(rows)), [f"{r['name']}\nmeas | formula" for r in rows], fontsize=7)
-    ax.set(title="bytes sent per rank per step (ring algorithm)", ylabel="MB (1e6 bytes)")
-    ax.legend(fontsize=8)
+        ax.text(i - width / 2, bm, f"{bm * MB / two_psi:.2f}·2Ψ", ha="center", va="bottom", fontsize=FONT)
+    ax.set_xticks(range(len(rows)), [f"{_wrap(r['name'])}\nmeas | formula" for r in rows], fontsize=FONT)
+    ax.tick_params(axis="y", labelsize=FONT)
+    ax.margins(y=0.12)
+    ax.set_title("bytes sent per rank per step (ring algorithm); hatched: formula", fontsize=FONT + 1)
+    ax.set_ylabel("MB (1e6 bytes)", fontsize=FONT)
+    _legend_below(ax, ncol=3, offset=-0.24)
+    ops = [op for op in COLLECTIVES if any(op in r["timing"] for r in rows)]
+    bw = 0.8 / max(1, len(ops))
+    samples = 0
     for i, row in enumerate(rows):
-        bottom = 0.0
-        for op in COLLECTIVES:
-            t = row["timing"].get(op, {}).get("seconds_per_step", 0.0) * 1e3
-            ax2.bar(i, t, 0.6, bottom=bottom, color=OP_COLORS[op], label=op if i == 0 else None)
-            bottom += t
+        for j, op in enumerate(ops):
+            t = row["timing"].get(op)
+            if not t:
+                continue
+            xs = sorted(1e3 * v for v in t.get("per_step_s", [t["seconds_per_step"]]))
+            med = xs[len(xs) // 2]
+            samples = max(samples, len(xs))
+            x = i - 0.4 + bw * (j + 0.5)
+            ax2.bar(x, med, bw, color=COLLECTIVE_COLORS[op], label=op if not _has_label(ax2, op) else None)
+            ax2.errorbar(x, med, yerr=[[med - xs[0]], [xs[-1] - med]], color="k", capsize=3, lw=1)
     backend = rows[0]["backend"] if rows else ""
-    note = " (gloo: reduce_scatter runs as an all_reduce)" if backend == "gloo" else ""
-    ax2.set_xticks(range(len(rows)), [r["name"] for r in rows], fontsize=7)
-    ax2.set(title=f"wall time per step in collectives, {backend}{note}", ylabel="ms per step")
-    ax2.legend(fontsize=8)
+    note = "\n(gloo: reduce_scatter runs as an all_reduce)" if backend == "gloo" else ""
+    ax2.set_xticks(range(len(rows)), [_wrap(r["name"]) for r in rows], fontsize=FONT)
+    ax2.tick_params(axis="y", labelsize=FONT)
+    ax2.set_title(f"wall time per step in each collective ({backend}): median, and range (error bar)\n"
+                  f"over {samples} (rank, step) samples; machine-dependent{note}", fontsize=FONT + 1)
+    ax2.set_ylabel("ms per step", fontsize=FONT)
+    _legend_below(ax2, ncol=3, offset=-0.24)
     fig.tight_layout()
     return fig
 
@@ -158,7 +213,7 @@ def collective_timeline(runs: dict[int, list[dict]], rank: int = 0):
     """One lane per stage: the collectives of the last step in issue order (boxes coloured by
     op, labelled by bucket / block), over the phase they ran in."""
     stages = sorted(runs)
-    fig, ax = plt.subplots(figsize=(15, 0.9 + 0.9 * len(stages)))
+    fig, ax = plt.subplots(figsize=(15, 1.6 + 0.9 * len(stages)))
     for lane, s in enumerate(stages):
         recs = step_records(runs[s][rank])
         y = len(stages) - 1 - lane
@@ -166,30 +221,32 @@ def collective_timeline(runs: dict[int, list[dict]], rank: int = 0):
         for x in recs:
             i = x["seq"] - first
             ax.add_patch(plt.Rectangle((i, y - 0.42), 1, 0.84, color=PHASE_COLORS[x["phase"]], zorder=0))
-            ax.barh(y, 0.9, left=i + 0.05, height=0.5, color=OP_COLORS[x["op"]],
+            ax.barh(y, 0.9, left=i + 0.05, height=0.5, color=COLLECTIVE_COLORS[x["op"]],
                     label=x["op"] if not _has_label(ax, x["op"]) else None)
             ax.text(i + 0.5, y, x["unit"].replace("block.", "b"), ha="center", va="center",
-                    fontsize=7, color="white")
-            ax.text(i + 0.5, y - 0.38, x["phase"][0], ha="center", va="bottom", fontsize=6, color="0.4")
-    ax.set_yticks(range(len(stages)), [theory.STAGE_NAMES[s] for s in reversed(stages)])
+                    fontsize=FONT - 1, color="white")
+            ax.text(i + 0.5, y - 0.4, x["phase"][0], ha="center", va="bottom", fontsize=FONT - 1, color="0.3")
+    ax.set_yticks(range(len(stages)), [theory.STAGE_NAMES[s] for s in reversed(stages)], fontsize=FONT)
     ax.set_xlim(0, max(len(step_records(runs[s][rank])) for s in stages) + 0.2)
-    ax.set(xlabel="collectives of one step, in issue order (background / small letter: "
-                  "f = forward, b = backward, s = step)",
-           title=f"one training step, rank {rank}: {_title(runs)}")
-    ax.legend(fontsize=8, loc="upper right", ncol=3)
+    ax.tick_params(axis="x", labelsize=FONT)
+    ax.set_xlabel("collectives of one step, in issue order (background / small letter: "
+                  "f = forward, b = backward, s = step)", fontsize=FONT)
+    ax.set_title(f"one training step, rank {rank}: {_title(runs)}", fontsize=FONT + 1)
+    _legend_below(ax, ncol=4, offset=-0.16 if len(stages) > 2 else -0.35)
     fig.tight_layout()
     return fig
 
 
 def memory_timeline(runs: dict[int, list[dict]], stages=(2, 3), rank: int = 0):
     """Stacked bytes of each category at every sample of the last step (x: sample, labelled by
-    its tag), one panel per stage; the grey line is the total."""
+    its tag), one panel per stage; the dark line is the total. A category that stays at zero
+    in a panel is neither drawn nor listed in its legend."""
     stages = [s for s in stages if s in runs]
-    fig, axes = plt.subplots(len(stages), 1, figsize=(15, 3.6 * len(stages)), squeeze=False)
-    cats = (*theory.STATES, *TRANSIENT)
+    fig, axes = plt.subplots(len(stages), 1, figsize=(15, 4.4 * len(stages)), squeeze=False)
     for ax, s in zip(axes[:, 0], stages):
         tl = step_timeline(runs[s][rank])
         xs = range(len(tl))
+        cats = [c for c in (*theory.STATES, *TRANSIENT) if any(row.get(c, 0) for row in tl)]
         ys = [[row.get(c, 0) / MB for row in tl] for c in cats]
         colors = [STATE_COLORS[c] for c in cats]
         polys = ax.stackplot(xs, ys, labels=cats, colors=colors, step="post", alpha=0.8)
@@ -197,37 +254,75 @@ def memory_timeline(runs: dict[int, list[dict]], stages=(2, 3), rank: int = 0):
             if c in TRANSIENT:
                 poly.set_hatch("xx")
                 poly.set_alpha(0.45)
-        ax.plot(xs, [sum(col) for col in zip(*ys)], color="0.3", lw=1, drawstyle="steps-post")
-        ax.set_xticks(list(xs), [row["tag"] for row in tl], rotation=70, fontsize=6, ha="right")
-        ax.set(ylabel="MB", title=f"{theory.STAGE_NAMES[s]}: bytes held by rank {rank} over one step "
-                                  f"(units: {', '.join(f'{k} {v:,} B' for k, v in unit_bytes(runs[s][rank]).items())})")
-        ax.title.set_fontsize(9)
-        ax.legend(fontsize=7, loc="upper left", ncol=4)
+        ax.plot(xs, [sum(col) for col in zip(*ys)], color="0.2", lw=1, drawstyle="steps-post",
+                label="total")
+        ax.set_xticks(list(xs), [row["tag"] for row in tl], rotation=70, fontsize=FONT - 1, ha="right")
+        ax.tick_params(axis="y", labelsize=FONT)
+        ax.set_ylabel("MB", fontsize=FONT)
+        ax.set_title(f"{theory.STAGE_NAMES[s]}: bytes held by rank {rank} over one step "
+                     f"(units: {', '.join(f'{k} {v:,} B' for k, v in unit_bytes(runs[s][rank]).items())})",
+                     fontsize=FONT + 1)
+        ax.legend(fontsize=FONT, loc="upper left", bbox_to_anchor=(1.005, 1), frameon=False)
     fig.tight_layout()
     return fig
 
 
+LIVE_BLOCK_STATES = ("active_allocated", "active_pending_free")
+
+
+def snapshot_series(snap: dict, max_entries: int | None = None) -> list[dict]:
+    """Per device of a `torch.cuda.memory._dump_snapshot` dict: the allocated bytes after each
+    recorded event, absolute. The running sum of alloc / free_completed sizes starts at zero
+    when recording begins and goes negative when blocks allocated earlier are freed, so it is
+    anchored at the end instead: the blocks still live at the dump (segments' active blocks)
+    minus what the recorded events added. That stays right even when the ring buffer dropped
+    the oldest events. Returns [{"device", "bytes": [int per event], "dropped": bool,
+    "events": int}]; `dropped` when the history holds `max_entries` events (it was full)."""
+    out = []
+    for dev, trace in enumerate(snap.get("device_traces", [])):
+        live_end = sum(b.get("size", 0) for seg in snap.get("segments", [])
+                       if seg.get("device", 0) == dev
+                       for b in seg.get("blocks", []) if b.get("state") in LIVE_BLOCK_STATES)
+        deltas = [ev.get("size", 0) if ev.get("action") == "alloc"
+                  else -ev.get("size", 0) if ev.get("action") == "free_completed" else 0
+                  for ev in trace]
+        live, series = live_end - sum(deltas), []
+        for d in deltas:
+            live += d
+            series.append(live)
+        out.append({"device": dev, "bytes": series, "events": len(trace),
+                    "dropped": bool(max_entries) and len(trace) >= max_entries})
+    return out
+
+
 def cuda_snapshot(path, title: str = ""):
-    """Allocated bytes over the events of a `torch.cuda.memory._dump_snapshot` pickle, drawn
-    offline (the built-in HTML viewers load JavaScript from the internet)."""
+    """Allocated bytes (absolute, see `snapshot_series`) over the events of a
+    `torch.cuda.memory._dump_snapshot` pickle, drawn offline (the built-in HTML viewers load
+    JavaScript from the internet). Reads what `memory.cuda_memory_history` adds under
+    "zerolab" when present: the allocated bytes when recording began (a dotted line) and the
+    buffer size, to say on the plot when old events were dropped."""
+    from .memory import SNAPSHOT_MAX_ENTRIES
     with open(path, "rb") as f:
         snap = pickle.load(f)
+    meta = snap.get("zerolab") or {}
     fig, ax = plt.subplots(figsize=(14, 3.6))
-    for dev, trace in enumerate(snap.get("device_traces", [])):
-        live, xs, ys = 0, [], []
-        for i, ev in enumerate(trace):
-            if ev.get("action") == "alloc":
-                live += ev.get("size", 0)
-            elif ev.get("action") in ("free_completed",):
-                live -= ev.get("size", 0)
-            xs.append(i)
-            ys.append(live / MB)
-        if xs:
-            ax.plot(xs, ys, drawstyle="steps-post", label=f"cuda:{dev}")
-    ax.set(xlabel="allocator event", ylabel="MB allocated since recording began",
-           title=title or f"CUDA allocator over the last step ({Path(path).name})")
-    if ax.get_legend_handles_labels()[1]:
-        ax.legend(fontsize=8)
+    notes = []
+    for row in snapshot_series(snap, meta.get("max_entries", SNAPSHOT_MAX_ENTRIES)):
+        if row["bytes"]:
+            ax.plot(range(len(row["bytes"])), [b / MB for b in row["bytes"]], drawstyle="steps-post",
+                    label=f"cuda:{row['device']}")
+        if row["dropped"]:
+            notes.append(f"cuda:{row['device']}: buffer full ({row['events']:,} events): older "
+                         "events were dropped, the curve starts mid-run")
+    if "allocated_at_start" in meta:
+        ax.axhline(meta["allocated_at_start"] / MB, color="0.4", ls=":", lw=1,
+                   label="allocated when recording began")
+    notes.append("absolute: anchored at the blocks still allocated at the dump")
+    ax.set(xlabel="allocator event", ylabel="MB allocated (absolute)")
+    ax.set_title("\n".join([title or f"CUDA allocator over the last step ({Path(path).name})",
+                             *notes]), fontsize=9)
+    if ax.get_legend_handles_labels()[1]:       # outside the axes: never over the data
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
@@ -236,64 +331,91 @@ def cuda_snapshot(path, title: str = ""):
 def scaling(rows: list[dict], preset_rows: list[dict], measured_by_preset: dict, world_size: int,
             extend_to: int = 64):
     """Left: per-rank model states vs N by stage (measured markers, formula lines to
-    `extend_to`). Middle: ZeRO-2's states vs N (replicated params stay, the rest fall 1/N).
-    Right: vs model size at `world_size` ranks (formula lines, measured markers)."""
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.6))
+    `extend_to`). Middle: ZeRO-2's states vs N (replicated params stay, the rest fall 1/N;
+    states with identical curves are merged into one labelled line). Right: vs model size at
+    `world_size` ranks (formula lines, measured markers)."""
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 5.6))
     psi = rows[0]["psi"]
     ns = [2 ** k for k in range(0, int(extend_to).bit_length())]
+    stage_colors = {0: "0.35", 1: "#E69F00", 2: "#56B4E9", 3: "#009E73"}
     for s in theory.STAGES:
-        c = f"C{s}"
-        a1.plot(ns, [theory.model_state_total(psi, n, s) / MB for n in ns], color=c, alpha=0.6,
-                label=f"{theory.STAGE_NAMES[s]} formula")
+        c = stage_colors[s]
+        a1.plot(ns, [theory.model_state_total(psi, n, s) / MB for n in ns], color=c, alpha=0.7,
+                label=theory.STAGE_NAMES[s])
         pts = [(r["world_size"], sum(r["measured"].values()) / MB) for r in rows if r["stage"] == s]
         if pts:
-            a1.plot(*zip(*pts), "o", color=c, label=f"{theory.STAGE_NAMES[s]} measured")
-    a1.set(xscale="log", yscale="log", xlabel="world size N (ranks)", ylabel="MB per rank",
-           title=f"model states per rank, Ψ = {psi:,}")
+            a1.plot(*zip(*pts), "o", color=c, ms=7)
+    a1.set(xscale="log", yscale="log")
+    a1.set_xlabel("world size N (ranks)", fontsize=FONT)
+    a1.set_ylabel("MB per rank", fontsize=FONT)
+    a1.set_title(f"model states per rank, Ψ = {psi:,}\n(lines: formula, dots: measured)", fontsize=FONT + 1)
     a1.set_xticks(ns, [str(n) for n in ns])
-    a1.legend(fontsize=6, ncol=2)
-    for j, state in enumerate(theory.STATES):
-        c = f"C{j}"
-        a2.plot(ns, [theory.model_state_bytes(psi, n, 2)[state] / MB for n in ns], color=c, alpha=0.6,
-                label=state + (" (replicated)" if not theory.is_sharded(state, 2) else " (1/N)"))
-        pts = [(r["world_size"], r["measured"][state] / MB) for r in rows if r["stage"] == 2]
+    a1.tick_params(labelsize=FONT)
+    _legend_below(a1, ncol=4, offset=-0.14)
+    curves = {}                              # identical curves (master, exp_avg, exp_avg_sq): one line
+    for state in theory.STATES:
+        key = tuple(theory.model_state_bytes(psi, n, 2)[state] for n in ns)
+        curves.setdefault(key, []).append(state)
+    for key, states in curves.items():
+        c = STATE_COLORS[states[0]]
+        sharded = theory.is_sharded(states[0], 2)
+        label = " = ".join(states) + (" (1/N)" if sharded else " (replicated)")
+        a2.plot(ns, [v / MB for v in key], color=c, alpha=0.7, lw=2, label=label)
+        pts = [(r["world_size"], r["measured"][states[0]] / MB) for r in rows if r["stage"] == 2
+               if all(r["measured"][x] == r["measured"][states[0]] for x in states)]
         if pts:
-            a2.plot(*zip(*pts), "o", color=c)
-    a2.set(xscale="log", yscale="log", xlabel="world size N (ranks)", ylabel="MB per rank",
-           title="ZeRO-2 by state: the sharded parts fall as 1/N")
+            a2.plot(*zip(*pts), "o", color=c, ms=7)
+    a2.set(xscale="log", yscale="log")
+    a2.set_xlabel("world size N (ranks)", fontsize=FONT)
+    a2.set_ylabel("MB per rank", fontsize=FONT)
+    a2.set_title("ZeRO-2 by state: the sharded parts fall as 1/N\n(identical states share one line)",
+                 fontsize=FONT + 1)
     a2.set_xticks(ns, [str(n) for n in ns])
-    a2.legend(fontsize=7)
+    a2.tick_params(labelsize=FONT)
+    _legend_below(a2, ncol=1, offset=-0.14)
     psis = [r["psi"] for r in preset_rows]
     for s in theory.STAGES:
-        name, c = theory.STAGE_NAMES[s], f"C{s}"
-        a3.plot(psis, [r[name] / 1e9 for r in preset_rows], "-", color=c, alpha=0.6, label=name)
+        name, c = theory.STAGE_NAMES[s], stage_colors[s]
+        a3.plot(psis, [r[name] / 1e9 for r in preset_rows], "-", color=c, alpha=0.7, label=name)
         pts = [(m["psi"], m["totals"][s] / 1e9) for m in measured_by_preset.values() if s in m["totals"]]
         if pts:
-            a3.plot(*zip(*pts), "o", color=c)
+            a3.plot(*zip(*pts), "o", color=c, ms=7)
     for r in preset_rows:
-        a3.annotate(r["preset"], (r["psi"], r["DDP"] / 1e9), fontsize=7, rotation=30)
-    a3.set(xscale="log", yscale="log", xlabel="Ψ (parameters)", ylabel="GB per rank",
-           title=f"vs model size at N = {world_size} (lines: formula, dots: measured)")
-    a3.legend(fontsize=7)
+        a3.annotate(r["preset"], (r["psi"], r["DDP"] / 1e9), fontsize=FONT, rotation=30,
+                    xytext=(2, 4), textcoords="offset points")
+    a3.set(xscale="log", yscale="log")
+    a3.set_xlabel("Ψ (parameters)", fontsize=FONT)
+    a3.set_ylabel("GB per rank", fontsize=FONT)
+    a3.set_title(f"vs model size at N = {world_size}\n(lines: formula, dots: measured)", fontsize=FONT + 1)
+    a3.tick_params(labelsize=FONT)
+    a3.margins(y=0.15)
+    _legend_below(a3, ncol=4, offset=-0.14)
     fig.tight_layout()
     return fig
 
 
 # --- lab 5 ---------------------------------------------------------------------------------------
 def same_training(runs_by_precision: dict[str, dict[int, list[dict]]]):
-    """One panel per precision: every stage's loss per step (they should lie on top of each
-    other), and the largest loss difference to DDP as text."""
-    fig, axes = plt.subplots(1, len(runs_by_precision), figsize=(6.5 * len(runs_by_precision), 4),
+    """One panel per run set (e.g. fp32, bf16): every stage's loss per step (they should lie on
+    top of each other: decreasing marker sizes keep all visible), the largest loss difference to
+    the first stage in the legend; integer steps."""
+    fig, axes = plt.subplots(1, len(runs_by_precision), figsize=(6.5 * len(runs_by_precision), 4.8),
                              squeeze=False)
     for ax, (prec, runs) in zip(axes[0], runs_by_precision.items()):
         base = runs[min(runs)][0]["losses"]
         styles = ["-", "--", "-.", ":"]
         for k, s in enumerate(sorted(runs)):
             losses = runs[s][0]["losses"]
-            ax.plot(range(1, len(losses) + 1), losses, styles[k % 4], marker="o", ms=9 - 2 * k,
-                    label=f"{theory.STAGE_NAMES[s]} (max |Δ| to DDP "
-                          f"{max(abs(a - b) for a, b in zip(losses, base)):.1e})")
-        ax.set(title=f"{prec}: loss per step, same seed and data", xlabel="step", ylabel="loss")
-        ax.legend(fontsize=8)
+            label = (f"{theory.STAGE_NAMES[s]} (reference)" if s == min(runs) else
+                     f"{theory.STAGE_NAMES[s]} (max |Δ| to {theory.STAGE_NAMES[min(runs)]} "
+                     f"{max(abs(a - b) for a, b in zip(losses, base)):.1e})")
+            ax.plot(range(1, len(losses) + 1), losses, styles[k % 4], label=label, **identical_style(k))
+        n = len(base)
+        ax.set_xticks(range(1, n + 1) if n <= 12 else range(1, n + 1, max(1, n // 10)))
+        ax.tick_params(labelsize=FONT)
+        ax.set_title(f"{prec}: loss per step, same seed and data", fontsize=FONT + 1)
+        ax.set_xlabel("step", fontsize=FONT)
+        ax.set_ylabel("loss", fontsize=FONT)
+        _legend_below(ax, ncol=1, offset=-0.14)
     fig.tight_layout()
     return fig

@@ -71,56 +71,66 @@ def _ratio(a, b):
 
 def plot_compare(runs: dict[int, list[dict]], path) -> Path:
     """Three panels: loss curves, model-state bytes per rank by state (measured vs formula),
-    bytes per step by collective (measured vs formula). Saves a PNG at `path`."""
+    bytes per step by collective (measured vs formula). Colours: `zerolab.plots`. Saves a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_mem, ax_net) = plt.subplots(1, 3, figsize=(15, 4.2))
+    from .plots import COLLECTIVE_COLORS, FONT, STATE_COLORS, identical_style
+
+    fig, (ax_loss, ax_mem, ax_net) = plt.subplots(1, 3, figsize=(16, 5.2))
     stages = sorted(runs)
     for i, s in enumerate(stages):   # decreasing marker sizes: identical curves stay visible
-        ax_loss.plot(range(1, len(runs[s][0]["losses"]) + 1), runs[s][0]["losses"],
-                     marker="o", markersize=11 - 2.5 * i, label=theory.STAGE_NAMES[s])
-    ax_loss.set(title="loss per step (same data and seed)", xlabel="step", ylabel="loss")
-    ax_loss.legend()
+        losses = runs[s][0]["losses"]
+        ax_loss.plot(range(1, len(losses) + 1), losses, label=theory.STAGE_NAMES[s], **identical_style(i))
+    steps = len(runs[stages[0]][0]["losses"])
+    ax_loss.set_xticks(range(1, steps + 1) if steps <= 12 else range(1, steps + 1, max(1, steps // 10)))
+    ax_loss.set_title("loss per step (same data and seed;\nhollow markers: curves on top of each other stay visible)",
+                      fontsize=FONT + 1)
+    ax_loss.set_xlabel("step", fontsize=FONT)
+    ax_loss.set_ylabel("loss", fontsize=FONT)
     width = 0.38
     for i, s in enumerate(stages):
         r0 = runs[s][0]
         bottom_m = bottom_t = 0.0
-        for j, state in enumerate(theory.STATES):
+        for state in theory.STATES:
             m = r0["memory"]["model_states"][state] / 1e6
             t = r0["theory"]["model_states_padded"][state] / 1e6
-            color = f"C{j}"
-            ax_mem.bar(i - width / 2, m, width, bottom=bottom_m, color=color,
+            ax_mem.bar(i - width / 2, m, width, bottom=bottom_m, color=STATE_COLORS[state],
                        label=state if i == 0 else None)
-            ax_mem.bar(i + width / 2, t, width, bottom=bottom_t, color=color, alpha=0.45,
+            ax_mem.bar(i + width / 2, t, width, bottom=bottom_t, color=STATE_COLORS[state], alpha=0.45,
                        hatch="//", edgecolor="white")
             bottom_m, bottom_t = bottom_m + m, bottom_t + t
     ax_mem.set_xticks(range(len(stages)), [theory.STAGE_NAMES[s] for s in stages])
-    ax_mem.set(title="model states per rank", ylabel="MB (1e6 bytes)",
-               xlabel="solid: measured, hatched: formula")
-    ax_mem.legend(fontsize=8)
-    for j, op in enumerate(("all_reduce", "reduce_scatter", "all_gather")):
+    ax_mem.set_title("model states per rank (rank 0)\nsolid: measured, hatched: formula", fontsize=FONT + 1)
+    ax_mem.set_ylabel("MB (1e6 bytes)", fontsize=FONT)
+    ops = ("all_reduce", "reduce_scatter", "all_gather")
+    for j, op in enumerate(ops):
         meas = [runs[s][0]["comm"]["bytes_per_step"][op] / 1e6 for s in stages]
         form = [runs[s][0]["theory"]["traffic_per_step_padded"][op] / 1e6 for s in stages]
-        base_m = [sum(runs[s][0]["comm"]["bytes_per_step"][o] / 1e6
-                      for o in ("all_reduce", "reduce_scatter", "all_gather")[:j]) for s in stages]
-        base_f = [sum(runs[s][0]["theory"]["traffic_per_step_padded"][o] / 1e6
-                      for o in ("all_reduce", "reduce_scatter", "all_gather")[:j]) for s in stages]
+        base_m = [sum(runs[s][0]["comm"]["bytes_per_step"][o] / 1e6 for o in ops[:j]) for s in stages]
+        base_f = [sum(runs[s][0]["theory"]["traffic_per_step_padded"][o] / 1e6 for o in ops[:j])
+                  for s in stages]
         xs = range(len(stages))
-        ax_net.bar([x - width / 2 for x in xs], meas, width, bottom=base_m, color=f"C{j + 5}", label=op)
-        ax_net.bar([x + width / 2 for x in xs], form, width, bottom=base_f, color=f"C{j + 5}",
+        ax_net.bar([x - width / 2 for x in xs], meas, width, bottom=base_m, color=COLLECTIVE_COLORS[op],
+                   label=op)
+        ax_net.bar([x + width / 2 for x in xs], form, width, bottom=base_f, color=COLLECTIVE_COLORS[op],
                    alpha=0.45, hatch="//", edgecolor="white")
     ax_net.set_xticks(range(len(stages)), [theory.STAGE_NAMES[s] for s in stages])
-    ax_net.set(title="bytes sent per rank per step (ring)", ylabel="MB (1e6 bytes)",
-               xlabel="solid: measured, hatched: formula")
-    ax_net.legend(fontsize=8)
+    ax_net.set_title("bytes sent per rank per step (ring, rank 0)\nsolid: measured, hatched: formula",
+                     fontsize=FONT + 1)
+    ax_net.set_ylabel("MB (1e6 bytes)", fontsize=FONT)
+    for ax in (ax_loss, ax_mem, ax_net):
+        ax.tick_params(labelsize=FONT)
+        ax.legend(fontsize=FONT, ncol=4 if ax is ax_loss else 3, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.15 if ax is ax_loss else -0.08), frameon=False)
     n = runs[stages[0]][0]["world_size"]
     fig.suptitle(f"{runs[stages[0]][0]['preset']} GPT, Ψ = {runs[stages[0]][0]['num_params']:,}, "
-                 f"N = {n} ranks, {runs[stages[0]][0]['backend']} on {runs[stages[0]][0]['device']}")
+                 f"N = {n} ranks, {runs[stages[0]][0]['backend']} on {runs[stages[0]][0]['device']}",
+                 fontsize=FONT + 2)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

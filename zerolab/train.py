@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import sys
@@ -26,7 +27,8 @@ import torch.distributed as dist
 from . import STRATEGIES, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
-from .memory import MemoryMeter, allocator_peak, cuda_memory_history, padding_bytes
+from .memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memory_history,
+                     padding_bytes)
 from .model import GPT, PRESETS, get_config, num_params
 from .report import compare_rows, format_rows
 
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
     p.add_argument("--zero3-prefetch", action="store_true",
                    help="ZeRO-3: gather the next block while the current one computes")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's forward in backward (torch.utils.checkpoint)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0: no clipping")
@@ -81,6 +85,8 @@ def model_config(args):
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size {args.block_size} must be >= 1 (tokens of context)")
     overrides = {"block_size": args.block_size} if args.block_size is not None else {}
+    if getattr(args, "activation_checkpointing", False):
+        overrides["activation_checkpointing"] = True
     return get_config(args.preset, **overrides)
 
 
@@ -110,9 +116,31 @@ def make_strategy(stage, model, comm, args, meter):
     return STRATEGIES[stage](model, comm, **kwargs)
 
 
+def before_stage(device) -> dict:
+    """What earlier stages left behind, measured just before a stage builds its model: after
+    gc.collect() (and empty_cache on CUDA), the strategies still alive (0 when every stage freed
+    its model, strategy and buffers) and, on CUDA, memory.cuda_memory_figures (bytes)."""
+    gc.collect()
+    alive = sum(1 for o in gc.get_objects() if isinstance(o, tuple(STRATEGIES.values())))
+    cuda = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        cuda = cuda_memory_figures(device)
+    return {"strategies_alive": alive, "cuda": cuda}
+
+
+def finish_stage(strategy):
+    """Let a finished stage be freed: the strategy's close() (removes its hooks) when it has one."""
+    close = getattr(strategy, "close", None)
+    if close is not None:
+        close()
+
+
 def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
     """Train one stage on this rank; return the JSON-ready result."""
     rank, n, A = comm.rank, comm.world_size, args.grad_accum
+    leftover = before_stage(device)
     cfg = model_config(args)
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device=device, dtype=DTYPES[args.precision])
@@ -124,12 +152,12 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
 
     def one_step(step):
         x, y = get_batch(train_tokens, step, args.batch_size, cfg.block_size, args.seed)
-        total = torch.zeros((), dtype=torch.float32)
-        for micro in range(A):
+        total = torch.zeros((), dtype=torch.float32, device=device)   # stays on the device:
+        for micro in range(A):                                           # no host sync per micro-step
             xm, ym = (rank_slice(t, rank, n, micro, A).to(device) for t in (x, y))
             loss = strategy.forward(xm, ym)
             strategy.backward(loss / A, sync=micro == A - 1)
-            total += loss.detach().float().cpu() / A
+            total += loss.detach().float() / A
         norm = strategy.step()
         return total, norm
 
@@ -158,10 +186,11 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-        mean = local.to(device)
+        comm.settle()                       # the step's collective durations (one sync at most)
+        mean = local
         with comm.phase("step"):
             comm.all_reduce(mean, what="metric", unit="loss")
-        losses.append(mean.item() / n)
+        losses.append(mean.item() / n)      # the loss reaches the host once per step
         norms.append(float(norm))
         if rank == 0:
             print(f"[stage {stage}] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
@@ -185,6 +214,8 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             torch.save({k: v.cpu() for k, v in params.items()}, path)
     last = args.steps - 1
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
+    ledger = comm.to_json()
+    finish_stage(strategy)
     return {
         "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank, "world_size": n,
         "backend": dist.get_backend(), "device": str(device), "precision": args.precision,
@@ -208,23 +239,31 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
             "traffic_per_step_padded": theory.traffic_bytes(psi_padded, n, stage, args.precision,
                                                             args.zero1_grad_op, A),
         },
-        "comm": {"bytes_per_step": comm.bytes_by_op(step=last),
-                 "records": comm.to_json()},
+        "comm": {"bytes_per_step": comm.bytes_by_op(step=last), "records": ledger,
+                 "time_sources": comm.time_sources()},
+        "before_stage": leftover,
     }
+
+
+def check_device(args):
+    """Raise ValueError (one line) when --device / --backend cannot run on this machine."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device (use --device cpu)")
+    if args.backend == "nccl" and args.device != "cuda":
+        raise ValueError("--backend nccl needs --device cuda (use gloo on CPU)")
 
 
 def setup(args):
     """Initialise the process group from torchrun's environment; return (comm, device)."""
+    check_device(args)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda but torch sees no CUDA device (use --device cpu)")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if args.backend == "nccl" and device.type != "cuda":
-        raise ValueError("--backend nccl needs --device cuda (use gloo on CPU)")
+    if args.backend == "nccl":              # per-op durations from NCCL's own events (comm.py)
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     kwargs = {"device_id": device} if args.backend == "nccl" else {}
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout), **kwargs)
     return Comm(), device
@@ -238,6 +277,7 @@ def main(argv=None) -> int:
     world_size = int(os.environ["WORLD_SIZE"])
     try:
         cfg = check_args(args, world_size)
+        check_device(args)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
     except ValueError as err:
         if int(os.environ["RANK"]) == 0:

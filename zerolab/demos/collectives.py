@@ -72,7 +72,9 @@ def timing_demo(comm: Comm, numel: int, repeats: int) -> dict:
         times = []
         for _ in range(repeats):
             dist.barrier()
-            times.append(calls[op]().record.time_s)
+            record = calls[op]().record
+            comm.settle()                             # its own duration (comm.TIME_SOURCES)
+            times.append(record.time_s)
         out[op] = {"numel": numel, "size_bytes": numel * 4, "median_s": statistics.median(times)}
     return out
 

@@ -3,9 +3,13 @@
 Idea (notebooks/08_fsdp.ipynb): PyTorch's FSDP is an implementation of ZeRO. `fully_shard` with
 `reshard_after_forward=True` frees each block's gathered weights after forward and gathers them
 again for backward (FULL_SHARD, ZeRO-3); with `False` it keeps them until backward is done
-(SHARD_GRAD_OP, ZeRO-2). This program trains zerolab's ZeRO-2 / ZeRO-3 and FSDP2 in both modes,
-plus a single-process AdamW reference, one after another from the same seed and batches, all in
-fp32 so that the losses can be compared to rounding. A small TorchDispatchMode sees every c10d
+(SHARD_GRAD_OP: ZeRO-2's traffic, but it reshards after backward, so between steps it holds
+ZeRO-3's bytes). This program trains zerolab's ZeRO-2 / ZeRO-3, FSDP2 in both modes (and the
+default), torch's ZeRO-1 (DDP + `ZeroRedundancyOptimizer`) and a single-process AdamW reference,
+one after another from the same seed and batches, all in fp32 so that the losses can be compared
+to rounding. Every run samples the bytes of weights, gradients and exp_avg / exp_avg_sq its rank
+holds (`torch_held` / `zerolab_held`, at each block's start and after forward, backward and the
+step): what is held between steps and the peak within a step. A small TorchDispatchMode sees every c10d
 collective (zerolab's and FSDP2's alike) with its size and process group: an independent count
 next to zerolab's ledger. With `--replicate 2` (4 ranks) it then also builds FSDP2's hybrid
 layout: a 2-D mesh (replicate, shard), parameters sharded within a group of 2 and replicated
@@ -28,12 +32,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm import Comm
 from ..data import get_batch, load_tokens, rank_slice
 from ..model import GPT, get_config, num_params
-from ..sharding import make_optimizer
+from ..sharding import make_optimizer, storage_bytes
 from ..zero2 import ZeRO2
 from ..zero3 import ZeRO3
 
@@ -71,22 +78,68 @@ def _size_and_group(args) -> dict:
     return {"numel": numel, "dtype": dtype, "group": ranks}
 
 
+# --- what a rank holds: the same count for zerolab, FSDP2 and torch's ZeRO-1 -----------------
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def torch_held(model, optimizer, sharded=()) -> dict[str, int]:
+    """Bytes this rank holds now (distinct storages; a DTensor counts its local shard; freed
+    storages count 0): "weights" = the parameters registered on the modules now (FSDP2 swaps in
+    the unsharded ones while a unit is gathered) plus `sharded` (FSDP2's sharded DTensors, which
+    stay allocated); "grads" = their .grad; "optimizer" = every non-scalar tensor of
+    `optimizer.state` (exp_avg, exp_avg_sq)."""
+    params = [*sharded, *model.parameters()]
+    state = optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
+    return {"weights": storage_bytes(_local(p) for p in params),
+            "grads": storage_bytes(_local(p.grad) for p in params if p.grad is not None),
+            "optimizer": storage_bytes(_local(v) for st in state.values() for v in st.values()
+                                       if isinstance(v, torch.Tensor) and v.dim() > 0)}
+
+
+def zerolab_held(strategy) -> dict[str, int]:
+    """The same three numbers from a zerolab strategy's `state_tensors()`: weights = resident
+    params + gathered_params, grads = grads + grad_buckets, optimizer = exp_avg + exp_avg_sq
+    (zerolab's separate fp32 master copy is left out: FSDP2 and torch have none in fp32)."""
+    ts = strategy.state_tensors()
+    return {"weights": storage_bytes([*ts["params"], *ts.get("gathered_params", [])]),
+            "grads": storage_bytes([*ts["grads"], *ts.get("grad_buckets", [])]),
+            "optimizer": storage_bytes([*ts["exp_avg"], *ts["exp_avg_sq"]])}
+
+
+class Sampler:
+    """Samples `held()` at named points of a step: as each block starts its forward (after the
+    strategy's own pre-forward hook has gathered it), and where `step_fn` calls it ("forward
+    done", "backward done", "step done"). `rows` holds the samples of the current step."""
+
+    def __init__(self, held, blocks):
+        self.held, self.rows = held, []
+        for i, block in enumerate(blocks):   # registered last: runs after FSDP2's / zerolab's gather
+            block.register_forward_pre_hook(lambda *_, i=i: self(f"forward block.{i}"))
+
+    def __call__(self, tag):
+        self.rows.append({"tag": tag, **self.held()})
+
+
 # --- the runs: each returns its losses and the collectives of every step --------------------
-def train(step_fn, args, tokens, cfg, group=None) -> dict:
+def train(step_fn, args, tokens, cfg, group=None, sampler=None) -> dict:
     """Run `args.steps` steps of `step_fn(step, x, y, counter) -> local loss` on the ranks of
     `group` (None: all); average the loss over them (outside the counter).
-    Returns {"losses", "collectives": [[rows of step 0], ...]}."""
+    Returns {"losses", "collectives": [[rows of step 0], ...], "held": [[samples], ...]}."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    losses, per_step = [], []
+    losses, per_step, held = [], [], []
     for step in range(args.steps):
         x, y = get_batch(tokens, step, args.batch_size, cfg.block_size, args.seed)
         xm, ym = rank_slice(x, rank, n), rank_slice(y, rank, n)
+        if sampler is not None:
+            sampler.rows = []
         with CollectiveCounter() as counter:
             loss = step_fn(step, xm, ym, counter).detach().clone()
         dist.all_reduce(loss, group=group)
         losses.append(loss.item() / n)
         per_step.append(counter.rows)
-    return {"losses": losses, "collectives": per_step}
+        held.append(sampler.rows if sampler is not None else [])
+    return {"losses": losses, "collectives": per_step, "held": held}
 
 
 def fresh_model(cfg, seed) -> GPT:
@@ -100,17 +153,22 @@ def run_zerolab(stage, args, tokens, cfg, group=None) -> dict:
     strategy = {2: ZeRO2, 3: ZeRO3}[stage](fresh_model(cfg, args.seed), comm, max_grad_norm=0.0,
                                             lr=args.lr, weight_decay=args.weight_decay)
 
+    sample = Sampler(lambda: zerolab_held(strategy), strategy.model.blocks)
+
     def step_fn(step, x, y, counter):
         comm.step = step
         counter.phase = "forward"
         loss = strategy.forward(x, y)
+        sample("forward done")
         counter.phase = "backward"
         strategy.backward(loss)
+        sample("backward done")
         counter.phase = "step"
         strategy.step()
+        sample("step done")
         return loss
 
-    out = train(step_fn, args, tokens, cfg, group)
+    out = train(step_fn, args, tokens, cfg, group, sample)
     out["ledger"] = [{"step": r.step, "phase": r.phase, "op": r.op, "unit": r.unit,
                       "numel": r.numel, "group_size": r.group_size, "bytes": r.bytes}
                      for r in comm.records if r.what in ("grads", "params")]
@@ -130,22 +188,47 @@ def run_fsdp2(reshard, args, tokens, cfg, mesh) -> dict:
     """FSDP2 with `reshard_after_forward=reshard` on `mesh`, plain torch AdamW (same hyper-
     parameters as zerolab's make_optimizer) over the sharded DTensor parameters."""
     model = shard_model(fresh_model(cfg, args.seed), mesh, reshard)
-    optimizer = make_optimizer(list(model.parameters()), lr=args.lr,
-                               weight_decay=args.weight_decay)
+    sharded = list(model.parameters())                          # the DTensor shards
+    optimizer = make_optimizer(sharded, lr=args.lr, weight_decay=args.weight_decay)
+    sample = Sampler(lambda: torch_held(model, optimizer, sharded), model.blocks)
+    out = train(_torch_step(model, optimizer, sample), args, tokens, cfg,
+                mesh.get_group() if mesh.ndim == 1 else None, sample)
+    out["model"] = model
+    return out
 
+
+def _torch_step(model, optimizer, sample):
+    """One step of a torch-wrapped model (FSDP2 or DDP): forward, backward, step, zero_grad
+    (grads set to None), with `sample` after each phase."""
     def step_fn(step, x, y, counter):
         counter.phase = "forward"
         loss = model(x, y)
+        sample("forward done")
         counter.phase = "backward"
         loss.backward()
+        sample("backward done")
         counter.phase = "step"
         optimizer.step()
         optimizer.zero_grad()
+        sample("step done")
         return loss
+    return step_fn
 
-    out = train(step_fn, args, tokens, cfg, mesh.get_group() if mesh.ndim == 1 else None)
-    out["model"] = model
-    return out
+
+def run_torch_zero1(args, tokens, cfg, group) -> dict:
+    """torch's own ZeRO-1: DDP (all_reduce of every gradient, in buckets) plus
+    `torch.distributed.optim.ZeroRedundancyOptimizer` over plain AdamW (same hyper-parameters):
+    each rank keeps exp_avg / exp_avg_sq of its own whole parameters (greedy partition by size,
+    not flat ranges), updates them, and broadcasts them to the others (one broadcast per rank
+    with `parameters_as_bucket_view=True`)."""
+    model = DDP(fresh_model(cfg, args.seed), process_group=group)
+    ref = make_optimizer([torch.zeros(1)], lr=args.lr, weight_decay=args.weight_decay).defaults
+    optimizer = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.AdamW, process_group=group,
+        parameters_as_bucket_view=True,
+        **{k: ref[k] for k in ("lr", "betas", "eps", "weight_decay")})
+    sample = Sampler(lambda: torch_held(model, optimizer), model.module.blocks)
+    return train(_torch_step(model, optimizer, sample), args, tokens, cfg, group, sample)
 
 
 def run_reference(args, tokens, cfg) -> list[float]:
@@ -175,6 +258,7 @@ def compare(args, tokens, cfg, mesh) -> dict:
                            ("FSDP2 reshard_after_forward=None", None)):
         runs[label] = run_fsdp2(reshard, args, tokens, cfg, mesh)
         runs[label].pop("model")
+    runs["torch ZeroRedundancyOptimizer"] = run_torch_zero1(args, tokens, cfg, group)
     return {"runs": runs, "group": dist.get_process_group_ranks(group)}
 
 

@@ -1,0 +1,79 @@
+"""The ledger's collective durations are per-op: not "issue to wait() returned".
+
+Eight equal all_reduces issued together (async) queue behind each other in gloo (it runs two
+of a group's ops at a time, so eight make the queue visible where four would only pair up); timed
+from their issue, the later ones would include the earlier ones' time and the series would grow
+(the second half about 2-3x the first). The ledger's `time_s`
+must instead be about the same for all eight, and never exceed issue-to-completion. A second
+test runs the collectives one at a time (nothing queued) as the independent reference: there
+per-op time and issue-to-completion are the same thing.
+"""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from conftest import run_ranks
+
+NUMEL = 1 << 21           # 8 MiB of fp32: ~10 ms per all_reduce on loopback gloo
+OPS = 8
+
+
+def queued_worker(rank, n, op="all_reduce"):
+    import torch
+
+    from zerolab.comm import Comm
+    comm = Comm()
+    tensors = [torch.ones(NUMEL) for _ in range(OPS)]
+    if op == "reduce_scatter":              # gloo gives this one no future: seen at wait()
+        outs = [t[:NUMEL // n] for t in tensors]
+        issue = lambda i, **kw: comm.reduce_scatter(outs[i], tensors[i], what="grads",  # noqa: E731
+                                                     unit=f"b{i}", **kw)
+    else:
+        issue = lambda i, **kw: comm.all_reduce(tensors[i], what="grads", unit=f"b{i}", **kw)  # noqa: E731
+    issue(0)                                # warm-up
+    out = []
+    for rep in range(7):
+        comm.records.clear()
+        handles = [issue(i, async_op=True) for i in range(OPS)]
+        for h in handles:
+            h.wait()
+        comm.settle()
+        out.append([(r.time_s, r.issue_to_done_s, r.time_source) for r in comm.records])
+    solo = []
+    for _ in range(OPS):                    # the reference: one at a time, nothing queued
+        comm.records.clear()
+        issue(0)
+        comm.settle()
+        solo.append((comm.records[0].time_s, comm.records[0].issue_to_done_s))
+    return out, solo
+
+
+def _halves(values):
+    """mean of the second half / mean of the first half: ~1 for a flat series, ~2 or more for
+    one that grows as the queue ahead of each op grows."""
+    h = len(values) // 2
+    return statistics.mean(values[h:]) / statistics.mean(values[:h])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+def test_queued_collectives_get_their_own_durations_not_a_growing_series(op):
+    results = run_ranks(queued_worker, 2, op)
+    for rank, (reps, solo) in enumerate(results):
+        for rows in reps:
+            assert {s for _, _, s in rows} == {"gloo_wait" if op == "reduce_scatter" else "gloo"}
+            assert all(t > 0 and t <= d + 1e-9 for t, d, _ in rows), rows
+        for t, d in solo:                   # nothing queued: per-op time is issue-to-completion
+            assert t == pytest.approx(d, rel=1e-9), solo
+        # per position in the queue, the median over the repeats (a loaded 2-core machine is noisy)
+        times = [statistics.median(rows[i][0] for rows in reps) for i in range(OPS)]
+        issue_to_done = [statistics.median(rows[i][1] for rows in reps) for i in range(OPS)]
+        if op == "reduce_scatter":          # an upper bound (seen at wait()), and gloo's issue call
+            continue                        # itself blocks: checks above only
+        # the ops really queued: timed from their issue, the series grows ...
+        assert _halves(issue_to_done) > 1.8, (rank, issue_to_done)
+        # ... but each op's own duration does not (about 1; bounds loose for a loaded machine)
+        assert _halves(times) < 1.8, (rank, times, issue_to_done)
+        assert _halves(times) < 0.75 * _halves(issue_to_done), (rank, times, issue_to_done)

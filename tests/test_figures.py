@@ -1,0 +1,103 @@
+"""What a learner sees: figures readable on a projector (every text >= 8 pt, legends off the
+data), one colour per collective across the course, help texts and `zerolab labs` output
+without noise. References: matplotlib's own artist properties; the `COLLECTIVE_COLORS` table."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.colors import to_rgba  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+
+from zerolab import plots, theory  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _texts(fig):
+    return [t for t in fig.findobj(Text) if t.get_text().strip() and t.get_visible()]
+
+
+def _check_fonts(fig, name):
+    small = [(t.get_text()[:30], t.get_fontsize()) for t in _texts(fig) if t.get_fontsize() < 8]
+    assert not small, f"{name}: text below 8 pt: {small}"
+
+
+def _rows():
+    rows = []
+    for stage in theory.STAGES:
+        f = theory.traffic_bytes(1000, 2, stage)
+        rows.append({"stage": stage, "name": theory.STAGE_NAMES[stage], "world_size": 2,
+                     "num_params_padded": 1000, "backend": "gloo", "measured": dict(f), "formula": dict(f),
+                     "timing": {op: {"seconds_per_step": 1e-3, "per_step_s": [1e-3, 2e-3, 4e-3]}
+                                for op, b in f.items() if b}})
+    return rows
+
+
+def test_traffic_figure_colours_fonts_and_legends_off_the_data():
+    fig = plots.traffic_by_stage(_rows())
+    fig.canvas.draw()
+    _check_fonts(fig, "traffic_by_stage")
+    for ax in fig.axes:
+        for patch in ax.patches:
+            op = patch.get_label()
+            if op in plots.COLLECTIVE_COLORS:
+                assert patch.get_facecolor()[:3] == to_rgba(plots.COLLECTIVE_COLORS[op])[:3], op
+        legend = ax.get_legend()
+        renderer = fig.canvas.get_renderer()
+        assert legend is not None
+        box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert box.y1 <= area.y0 + 1, "the legend sits on the plotting area"
+    plt.close(fig)
+
+
+def test_one_colour_per_collective_everywhere():
+    """make_images and report take their colours from plots; nothing else defines them."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_images
+    assert make_images.COLORS is plots.STATE_COLORS
+    assert set(plots.COLLECTIVE_COLORS) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
+    assert len(set(plots.COLLECTIVE_COLORS.values())) == 4
+    for path in (ROOT / "zerolab").rglob("*.py"):
+        if path.name != "plots.py":
+            assert "OP_COLORS = " not in path.read_text() and "COLLECTIVE_COLORS = " not in path.read_text(), path
+
+
+@pytest.mark.parametrize("name", ["memory_7p5b_n64.png", "memory_7p5b_n8.png", "zero_stages.png",
+                                  "ring_allreduce.png"])
+def test_course_images_fonts(name):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_images
+    fig = make_images.FIGURES[name]()
+    _check_fonts(fig, name)
+    plt.close(fig)
+
+
+def test_help_texts_name_each_default_once():
+    from zerolab.cli import build_parser
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subs.choices.items():
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:
+            if action.help and action.option_strings:
+                entry = " ".join(action.help.split())
+                at = text.find(entry)
+                assert at >= 0, (name, entry)
+                tail = text[at + len(entry):at + len(entry) + 12]
+                assert not ("default" in entry and tail.startswith(" (default")), (name, action.dest)
+
+
+def test_labs_echo_drops_kernel_noise(capsys):
+    from zerolab.labs import _lab_echo
+    _lab_echo("[IPKernelApp] WARNING | Kernel is running over TCP without encryption. All communication")
+    _lab_echo("2026-01-01 10:00:00,000 [INFO] <Figure size 1500x560 with 2 Axes>")
+    _lab_echo("[stage 0] step 1/2  loss 5.51")
+    out = capsys.readouterr().out
+    assert "encryption" not in out and "<Figure" not in out and "loss 5.51" in out
