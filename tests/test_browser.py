@@ -76,8 +76,9 @@ def jupyterlab(tmp_path):
     tracker.mkdir(parents=True)             # every cell in the DOM (no virtual scrolling)
     (tracker / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     port, token = free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), MPLBACKEND="module://matplotlib_inline.backend_inline",
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}    # the kernel's inline
+    env = dict(env, JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     log = tmp_path / "jupyterlab.log"
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
@@ -196,6 +197,10 @@ def test_calculator_slider_changes_the_table_in_jupyterlab(jupyterlab, tmp_path)
             return check
 
         wait.until(shows(before))
+        wait.until(lambda drv: not any("[*]" in e.text for e in drv.find_elements(
+            By.CSS_SELECTOR, ".jp-InputPrompt")))           # every cell has run
+        wait.until(EC.presence_of_element_located(
+            (By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']")))
         handle = k_box.find_element(By.CSS_SELECTOR, ".noUi-handle")
         handle.send_keys(Keys.ARROW_RIGHT)                        # K: 12 -> 13 (step 1)
         after = _table_lines(psi, 64, 3, 13)
@@ -207,12 +212,17 @@ def test_calculator_slider_changes_the_table_in_jupyterlab(jupyterlab, tmp_path)
         wait.until(EC.presence_of_element_located(
             (By.CSS_SELECTOR, ".jp-Notebook-ExecutionIndicator[data-status='idle']")))
         box = driver.find_element(By.CSS_SELECTOR, ".widget-interact")
+        error = [e.text for e in box.find_elements(By.CSS_SELECTOR, ".jp-RenderedText")
+                 if "Traceback" in e.text or "Error" in e.text]
+        assert not error, "the calculator's update raised in the kernel:\n" + error[0][-1500:]
         driver.execute_script("arguments[0].scrollIntoView({block: 'start'});", box)
         wait.until(lambda drv: drv.execute_script(
             "return [...arguments[0].querySelectorAll('.widget-output img')]"
             ".some(i => i.complete && i.naturalWidth > 0 && i.getBoundingClientRect().height > 0)",
             box))
         time.sleep(1.0)                     # let the browser paint the decoded plot
+        src = box.find_element(By.CSS_SELECTOR, ".widget-output img").get_attribute("src")
+        print(f"calculator plot after the move: a {len(src) * 3 // 4:,}-byte PNG")
     finally:
         driver.save_screenshot(str(shot))
         (tmp_path / "page.html").write_text(driver.page_source)      # for a failed run
