@@ -8,6 +8,7 @@ Layers (each imports only from those above it):
     memory     measured bytes by category, allocator cross-check
     model, data  the GPT and the text
     train      torchrun entry point: config -> run -> stage{S}/rank{r}.json
+    checkpoint sharded save, resume at any world size / stage, offline consolidate
     launch, cli  zerolab memory | train | compare | labs
 """
 from .ddp import DDP

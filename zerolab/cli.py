@@ -1,4 +1,4 @@
-"""The `zerolab` command: memory | train | compare | labs | check | doctor.
+"""The `zerolab` command: memory | train | compare | labs | checkpoint | check | doctor.
 
     zerolab memory --params 7.5e9 --world-size 64     # the ZeRO paper's table, from the formulas
     zerolab train --stage 2 --nproc 4                  # one stage under torchrun
@@ -6,6 +6,7 @@
     zerolab labs                                       # execute every lab notebook, write a report
     zerolab check ddp --impl my_ddp.py                 # grade an exercise (zerolab.exercises)
     zerolab doctor                                     # is this machine ready for the course?
+    zerolab checkpoint consolidate DIR OUT             # sharded checkpoint -> plain GPT state dict
 
 Every subcommand checks its arguments before any process starts and exits 2 with one line
 naming the bad value; a failed launch exits 1 with the failing rank's traceback.
@@ -68,7 +69,8 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--zero3-prefetch", action="store_true",
                    help="ZeRO-3: gather the next block while the current one computes")
     p.add_argument("--save-params", action="store_true",
-                   help="save each stage's final parameters to OUT/stage{S}/params.pt")
+                   help="save each stage's final fp32 weights (every key of GPT.state_dict()) "
+                   "to OUT/stage{S}/params.pt")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's forward in backward (torch.utils.checkpoint)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the run is killed")
@@ -90,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
     _add_launch_args(train, "0", 2, "tiny", 5)
     train.add_argument("--out", default="runs/train", help="writes OUT/stage{S}/rank{r}.json")
+    train.add_argument("--save-every", type=int, default=None, metavar="K",
+                       help="sharded checkpoint every K steps and at the end (0: only at the end)")
+    train.add_argument("--resume", default=None, metavar="DIR",
+                       help="continue from a checkpoint; options not given come from it")
 
     cmp = sub.add_parser("compare", formatter_class=HELP, help="stages 0-3, same seed and data: table + JSON + PNG")
     _add_launch_args(cmp, "0,1,2,3", 4, "tiny", 10)
@@ -115,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("doctor", formatter_class=HELP,
                    help="check this machine for the course (each line OK or the fix; < 30 s)")
+
+    from .checkpoint import add_parser
+    add_parser(sub)
     return parser
 
 
@@ -141,6 +150,9 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
     argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
                                                                   "activation_checkpointing")
              if getattr(args, flag)]
+    for flag in ("save_every", "resume"):                   # train only
+        if getattr(args, flag, None) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv
 
 
@@ -149,12 +161,18 @@ def check_launch(args) -> tuple[str, str]:
     from .data import load_tokens
     from .train import check_args
     backend, device = resolve(args.nproc, args.backend, args.device, args.nnodes)
+    if getattr(args, "resume", None):       # fills the options not given from the checkpoint
+        from .checkpoint import given_options
+        from .train import check_resume     # (rank 0 prints what differs from the checkpoint)
+        check_resume(args, given_options(build_parser(), args.argv), args.nproc * args.nnodes)
     load_tokens(args.data, check_args(args, args.nproc * args.nnodes).block_size)
     return backend, device
 
 
 def launch(args, stages: str) -> None:
     backend, device = check_launch(args)
+    if getattr(args, "resume", None):
+        stages = args.stages                # check_launch took it from the checkpoint if not given
     print(f"zerolab: {args.nproc * args.nnodes} rank(s), {backend} on {device}, stages {stages}, "
           f"preset {args.preset}", flush=True)
     note = auto_note(args.nproc, args.backend, args.device, backend, device)
@@ -186,6 +204,11 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_checkpoint(args) -> int:
+    from .checkpoint import consolidate_command
+    return consolidate_command(args)          # the only action so far: consolidate
+
+
 def cmd_labs(args) -> int:
     from .labs import run_labs
     if args.reference:                       # papermill's kernels inherit the environment
@@ -205,9 +228,11 @@ def cmd_doctor(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare,
-                "labs": cmd_labs, "check": cmd_check, "doctor": cmd_doctor}[args.command](args)
+                "labs": cmd_labs, "checkpoint": cmd_checkpoint, "check": cmd_check,
+                "doctor": cmd_doctor}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 2

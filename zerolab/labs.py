@@ -454,7 +454,8 @@ def preset_table(presets=None, world_size: int = 8, precision: str = "bf16") -> 
 def load_params(out, stage: int) -> dict:
     """{name: fp32 tensor} saved by `zerolab.train --save-params` for `stage` under `out`."""
     import torch
-    return torch.load(Path(out) / f"stage{stage}" / "params.pt", map_location="cpu")
+    return torch.load(Path(out) / f"stage{stage}" / "params.pt", map_location="cpu",
+                      weights_only=True)
 
 
 def max_param_diff(a: dict, b: dict) -> float:

@@ -86,15 +86,17 @@ def auto_note(nproc: int, requested_backend: str, requested_device: str, backend
 def torchrun_command(module_args: list[str], nproc: int, *, module: str = "zerolab.train",
                      nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
                      rdzv_id: str = "zerolab") -> list[str]:
-    """The `python -m torch.distributed.run ...` argv: --standalone on one node, else c10d
-    rendezvous at `rdzv_endpoint` (host:port), as torchrun documents for multi-node jobs."""
+    """The `python -m torch.distributed.run ...` argv: --standalone on one node, else the static
+    rendezvous at `rdzv_endpoint` (host:port of node 0): global rank = node_rank x nproc +
+    local rank, so each node writes the same rank files every time (c10d would ignore
+    --node-rank and number the nodes in order of arrival)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
         if not rdzv_endpoint:
             raise ValueError("several nodes need rdzv_endpoint HOST:PORT (the first node's address)")
-        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "static",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
     return cmd + ["-m", module, *module_args]
 
@@ -149,8 +151,11 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if proc.returncode != 0:
-        raise LaunchError(f"the ranks exited with code {proc.returncode}: {' '.join(cmd[2:])}",
-                          "".join(tail))
+        lost = [m for m in _PEER_LOST if m in "".join(tail)]
+        peer = (f"; a peer rank went away ({lost[0]!r}): did another node's launcher stop?"
+                if lost else "")
+        raise LaunchError(f"the ranks exited with code {proc.returncode}{peer}: "
+                          f"{' '.join(cmd[2:])}", "".join(tail))
     return "".join(lines)
 
 
@@ -198,6 +203,9 @@ def _pdeathsig():
     return lambda: prctl(1, signal.SIGTERM)
 
 
+# what gloo / the TCP store report when a rank of another process or node has gone away
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "Connection refused")
 _NOISE = ("*****", "Setting OMP_NUM_THREADS", "further tune the variable")
 
 

@@ -91,6 +91,33 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
     return {"source": "MemTracker", "peak_absolute": total, "by_type": by_type}
 
 
+def transient_peak(fn, device: torch.device, external=()):
+    """Run `fn()`; return (its result, the peak bytes above what was allocated before the call):
+    torch.cuda's max_memory_allocated - memory_allocated before, or on CPU MemTracker's peak
+    total minus its total on entry, with `external` (the model, optimizer, strategy buffers:
+    tensors created before the call) registered so that touching them is not counted as new.
+    Used for the checkpoint saves: what a save costs in memory on top of training."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        value = fn()
+        torch.cuda.synchronize(device)
+        return value, torch.cuda.max_memory_allocated(device) - before
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def total(kind):
+        snap = tracker.get_tracker_snapshot(kind)
+        return sum(int(v) for dev, stats in snap.items() if str(dev) == "cpu"
+                   for k, v in stats.items() if str(k).split(".")[-1].lower() == "total")
+    tracker = MemTracker()
+    tracker.track_external(*external)
+    with tracker:
+        before = total("current")
+        value = fn()
+    return value, total("peak") - before
+
+
 # What each CUDA figure includes (printed next to them by labs/gpu_check.py).
 CUDA_FIGURES = {
     "max_allocated": "torch.cuda.max_memory_allocated: peak bytes of live tensors from torch's "

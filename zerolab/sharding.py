@@ -203,3 +203,25 @@ def optimizer_states(optimizer, masters) -> dict[str, list[torch.Tensor]]:
     return {"master_weights": list(masters),
             "exp_avg": [s["exp_avg"] for s in state if "exp_avg" in s],
             "exp_avg_sq": [s["exp_avg_sq"] for s in state if "exp_avg_sq" in s]}
+
+
+# --- checkpoints: one unit's AdamW state out and in (zerolab.checkpoint) ---------------------
+def adam_state(optimizer, master: torch.Tensor, own=None) -> dict[str, torch.Tensor]:
+    """{"master", "exp_avg", "exp_avg_sq"} of the fp32 tensor `master` (views, fp32), each
+    through `own` (e.g. FlatUnit.own, when `master` is a full replica); zeros before step 1."""
+    own = own or (lambda t: t)
+    state = optimizer.state.get(master, {})
+    zeros = torch.zeros_like(master)
+    return {"master": own(master), "exp_avg": own(state.get("exp_avg", zeros)),
+            "exp_avg_sq": own(state.get("exp_avg_sq", zeros))}
+
+
+def set_adam_state(optimizer, master: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, step: int):
+    """Give torch's AdamW the state of `master` after `step` updates, laid out as AdamW itself
+    stores it (an fp32 scalar "step", moments shaped like `master`). step 0: no state."""
+    optimizer.state.pop(master, None)
+    if step > 0:
+        optimizer.state[master] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                   "exp_avg": exp_avg.to(master).clone(),
+                                   "exp_avg_sq": exp_avg_sq.to(master).clone()}

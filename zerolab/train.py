@@ -5,6 +5,8 @@ trains `--steps` optimizer steps on its own rows of each global batch, and write
 (memory, measured and theory) and what it moved (the comm ledger) to its own JSON file. Several
 stages can run one after another in one launch (`--stages 0,1,2,3`), which is what
 `zerolab compare` does: same seed, same data, one process start-up.
+`--save-every K` writes a sharded checkpoint every K steps and at the end, `--resume DIR`
+continues from one, at any world size and stage (zerolab/checkpoint.py).
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 -m zerolab.train \\
         --stages 0,1,2,3 --preset tiny --steps 5 --out runs/compare
@@ -24,11 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import STRATEGIES, theory
+from . import STRATEGIES, checkpoint, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
 from .memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memory_history,
-                     padding_bytes)
+                     padding_bytes, transient_peak)
 from .model import GPT, PRESETS, get_config, num_params
 from .report import compare_rows, format_rows
 
@@ -72,7 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-snapshot", action="store_true", help="CUDA only: record the allocator's "
                    "history over the last step into OUT/stage{S}/rank{r}_snapshot.pickle")
     p.add_argument("--save-params", action="store_true",
-                   help="rank 0 saves the final full parameters to OUT/stage{S}/params.pt")
+                   help="rank 0 saves the final fp32 state dict (every key of GPT.state_dict(), "
+                   "from the master weights) to OUT/stage{S}/params.pt")
+    p.add_argument("--save-every", type=int, default=None, metavar="K",
+                   help="sharded checkpoint every K steps and at the end into "
+                   "OUT/stage{S}/checkpoints (0: only at the end)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint (step_* folder or its checkpoints/ folder); "
+                   "options not given are taken from it")
+    p.add_argument("--crash-in-save", type=int, default=None, help=argparse.SUPPRESS)  # tests
     p.add_argument("--no-allocator", action="store_true",
                    help="skip the allocator / MemTracker cross-check on the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait")
@@ -103,7 +113,39 @@ def check_args(args, world_size: int):
     if args.batch_size % (world_size * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
                          f"{world_size} x --grad-accum {args.grad_accum}")
+    save_every = getattr(args, "save_every", None)          # `zerolab compare` has none
+    if save_every is not None and save_every < 0:
+        raise ValueError(f"--save-every {save_every} must be >= 0 (0: only at the end)")
     return cfg
+
+
+def check_resume(args, given: set[str], world_size: int):
+    """Open --resume's checkpoint, take the options not `given` on the command line from it and
+    check that it fits this run (one stage, same model, batch divisible by the new world size,
+    steps left). Returns (checkpoint, notes); ValueError (one line) otherwise."""
+    ckpt = checkpoint.open_checkpoint(args.resume)
+    notes = checkpoint.apply_resume_args(args, given, ckpt)
+    if len(parse_stages(args.stages)) != 1:
+        raise ValueError(f"--resume continues one stage: give one --stage, not {args.stages!r}")
+    try:
+        cfg = check_args(args, world_size)
+    except ValueError as err:
+        if "--batch-size" in str(err) and "batch_size" not in given:
+            raise ValueError(f"{err} (the checkpoint's global batch: pass a --batch-size that "
+                             f"world_size {world_size} divides, or resume on another world size)"
+                             ) from None
+        raise
+    checkpoint.check_compatible(ckpt, cfg)
+    if args.steps <= ckpt.step:
+        raise ValueError(f"--steps {args.steps} leaves nothing to train after the checkpoint's "
+                         f"step {ckpt.step}: give --steps > {ckpt.step}")
+    return ckpt, notes
+
+
+def held_tensors(model, strategy) -> tuple:
+    """What training holds (model, optimizer, every state tensor): MemTracker's `external`."""
+    return (model, strategy.optimizer, *(t for ts in strategy.state_tensors().values()
+                                         for t in ts if t is not None))
 
 
 def make_strategy(stage, model, comm, args, meter):
@@ -137,8 +179,8 @@ def finish_stage(strategy):
         close()
 
 
-def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
-    """Train one stage on this rank; return the JSON-ready result."""
+def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) -> dict:
+    """Train one stage on this rank (from checkpoint `ckpt` if given); return the JSON result."""
     rank, n, A = comm.rank, comm.world_size, args.grad_accum
     leftover = before_stage(device)
     cfg = model_config(args)
@@ -149,6 +191,10 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
     comm.records.clear()
     strategy = make_strategy(stage, model, comm, args, meter)
     psi_padded = sum(u.padded_numel for u in strategy.units)
+    start, history, saved = 0, [], []
+    if ckpt is not None:
+        checkpoint.load(strategy, model, ckpt, DTYPES[args.precision])
+        start, history = ckpt.step, list(ckpt.meta.get("losses", []))[:ckpt.step]
 
     def one_step(step):
         x, y = get_batch(train_tokens, step, args.batch_size, cfg.block_size, args.seed)
@@ -162,7 +208,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         return total, norm
 
     losses, norms, times, allocator = [], [], [], None
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         comm.step = step
         if args.crash_rank == rank and step == args.steps - 1:
             raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank) at step {step}")
@@ -195,6 +241,19 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         if rank == 0:
             print(f"[stage {stage}] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
                   f"grad_norm {norms[-1]:.4f}  {times[-1] * 1e3:.0f} ms", flush=True)
+        if args.save_every is not None and (step + 1 == args.steps or (
+                args.save_every and (step + 1) % args.save_every == 0)):
+            meta = {"args": {k: getattr(args, k) for k in checkpoint.RESUMED_ARGS},
+                    "model_config": cfg.__dict__, "precision": args.precision,
+                    "losses": history + losses}
+            meta["args"]["stages"] = str(stage)
+            crash = args.crash_in_save if step + 1 == args.steps else None
+            folder, save_peak = transient_peak(lambda: checkpoint.save(
+                strategy, model, Path(args.out) / f"stage{stage}" / "checkpoints", step + 1, meta,
+                crash_rank=crash), device, held_tensors(model, strategy))
+            saved.append(str(folder))
+            if rank == 0:
+                print(f"[stage {stage}] saved {saved[-1]}", flush=True)
 
     # --- held-out loss and saved parameters: outside the measured steps ------------------------
     memory = meter.to_json()                # what the last step held, before eval touches it
@@ -206,13 +265,22 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         val = strategy.forward(xm, ym).detach().float().reshape(())
         with comm.phase("eval"):
             comm.all_reduce(val, what="metric", unit="val_loss")
-    if args.save_params:            # every rank takes part (ZeRO-3 gathers), rank 0 writes
-        params = strategy.full_parameters()
+    if args.save_params:            # every rank gathers the fp32 masters, rank 0 writes
+        params, gather_peak = transient_peak(
+            lambda: checkpoint.gather_state_dict(strategy, model, comm), device,
+            held_tensors(model, strategy))
         if rank == 0:
             path = Path(args.out) / f"stage{stage}" / "params.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v.cpu() for k, v in params.items()}, path)
+            torch.save(params, path)
+        del params              # for comparison: gathering the whole training state to save it
+        _, full_peak = transient_peak(lambda: {k: checkpoint.gather_flat(strategy, comm, k)
+                                               for k in checkpoint.KEYS}, device,
+                                      held_tensors(model, strategy))
     last = args.steps - 1
+    checkpoint_memory = {"sharded_save_peak": save_peak if saved else None,
+                         "gather_weights_peak": gather_peak if args.save_params else None,
+                         "gather_all_states_peak": full_peak if args.save_params else None}
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
     ledger = comm.to_json()
     finish_stage(strategy)
@@ -223,14 +291,15 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens) -> dict:
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
         "zero3_prefetch": args.zero3_prefetch if stage == 3 else None,
-        "seed": args.seed, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
+        "seed": args.seed, "start_step": start, "resumed_from": ckpt and str(ckpt.folder),
+        "checkpoints": saved, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
         "step_times_s": times,
         "units": [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
                    "shard_numel": u.shard_numel, "padding_in_shard": u.padding_in_shard()}
                   for u in strategy.units],
         "memory": {"model_states": measured_state, "model_states_total": sum(measured_state.values()),
                    "padding": padding_bytes(strategy.units, stage, args.precision),
-                   **memory, "allocator": allocator},
+                   **memory, "allocator": allocator, "checkpoint": checkpoint_memory},
         "theory": {
             "model_states": theory.model_state_bytes(psi, n, stage, args.precision),
             "model_states_padded": theory.model_state_bytes(psi_padded, n, stage, args.precision),
@@ -271,11 +340,17 @@ def setup(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    given = checkpoint.given_options(build_parser(), argv)
     if "RANK" not in os.environ:     # plain `python -m zerolab.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     world_size = int(os.environ["WORLD_SIZE"])
+    ckpt = None
     try:
+        if args.resume:
+            ckpt, notes = check_resume(args, given, world_size)
+            if notes and int(os.environ["RANK"]) == 0:
+                print(f"zerolab.train: resuming with {', '.join(notes)}", flush=True)
         cfg = check_args(args, world_size)
         check_device(args)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
@@ -287,7 +362,7 @@ def main(argv=None) -> int:
     try:
         results = []
         for stage in args.stage_list:
-            result = run_stage(stage, args, comm, device, train_tokens, val_tokens)
+            result = run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt)
             out = Path(args.out) / f"stage{stage}"
             out.mkdir(parents=True, exist_ok=True)
             (out / f"rank{comm.rank}.json").write_text(json.dumps(result, indent=1))

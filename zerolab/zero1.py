@@ -11,13 +11,14 @@ reduce_scatter that leaves only the owned range averaged (2(n-1)/n·2Ψ bytes).
     torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 1 --preset tiny --steps 3
 
 Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py: __init__ (who holds what) / forward /
-backward (+ its hooks) / step / state_tensors / full_parameters.
+backward (+ its hooks) / step / state_tensors / full_parameters / shard_state / load_state.
 """
 from __future__ import annotations
 
 import torch
 
-from .sharding import build_units, clip_grad_norm_, make_optimizer, on_grads_ready, optimizer_states
+from .sharding import (adam_state, build_units, clip_grad_norm_, make_optimizer, on_grads_ready,
+                       optimizer_states, set_adam_state)
 
 
 # --- the two halves of the sharded update (exercise (c): `zerolab check zero1 --impl FILE`) ----
@@ -118,6 +119,22 @@ class ZeRO1:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: fp32 copy} of every parameter, as a single-process model would have it."""
         return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+
+    # --- checkpoint: this rank's range out, logical (unpadded) state in -----------------------
+    def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
+        [Ψ_u/N] of each state (zerolab.checkpoint writes them)."""
+        return {u.name: {"params": u.own(u.param_flat), **adam_state(self.optimizer, u.master)}
+                for u in self.units}
+
+    def load_state(self, read, step: int):
+        """read(unit, key) -> [padded_numel] state of `unit` for this world size (key: params,
+        master, exp_avg, exp_avg_sq), rebuilt from logical tensors; `step`: AdamW's count."""
+        for u in self.units:
+            u.param_flat.copy_(read(u, "params"))                   # [Ψ_u] replicated
+            u.master.copy_(u.own(read(u, "master")))                # [Ψ_u/N] own range
+            set_adam_state(self.optimizer, u.master, u.own(read(u, "exp_avg")),
+                           u.own(read(u, "exp_avg_sq")), step)
 
     def _sample(self, tag):
         if self.meter is not None:

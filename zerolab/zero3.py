@@ -12,14 +12,15 @@ block computes: the same bytes, one more gathered block alive.
     torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 3 --preset tiny --steps 3
 
 Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py: __init__ (who holds what) / forward /
-backward (+ its hooks) / step / state_tensors / full_parameters.
+backward (+ its hooks) / step / state_tensors / full_parameters / shard_state / load_state.
 """
 from __future__ import annotations
 
 import torch
 
-from .sharding import (alloc_storage, build_units, clip_grad_norm_, free_storage, make_optimizer,
-                       on_grads_ready, on_pre_backward, optimizer_states)
+from .sharding import (adam_state, alloc_storage, build_units, clip_grad_norm_, free_storage,
+                       make_optimizer, on_grads_ready, on_pre_backward, optimizer_states,
+                       set_adam_state)
 
 
 # --- gather before, free after (exercise (e): `zerolab check zero3 --impl FILE` replaces them) --
@@ -168,6 +169,22 @@ class ZeRO3:
             for u in self.units:
                 self._free(u)
         return out
+
+    # --- checkpoint: this rank's range out, logical (unpadded) state in -----------------------
+    def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
+        [Ψ_u/N] of each state (zerolab.checkpoint writes them)."""
+        return {u.name: {"params": u.param_shard, **adam_state(self.optimizer, u.master)}
+                for u in self.units}
+
+    def load_state(self, read, step: int):
+        """read(unit, key) -> [padded_numel] state of `unit` for this world size (key: params,
+        master, exp_avg, exp_avg_sq), rebuilt from logical tensors; `step`: AdamW's count."""
+        for u in self.units:
+            u.param_shard.copy_(u.own(read(u, "params")))           # [Ψ_u/N] own range
+            u.master.copy_(u.own(read(u, "master")))                # [Ψ_u/N] own range
+            set_adam_state(self.optimizer, u.master, u.own(read(u, "exp_avg")),
+                           u.own(read(u, "exp_avg_sq")), step)
 
     def _sample(self, tag):
         if self.meter is not None:
