@@ -267,7 +267,14 @@ def test_calculator_slider_changes_the_table_in_jupyterlab(jupyterlab, tmp_path)
         wait("every cell to finish (no [*] prompt) and the kernel to be idle", lambda drv: not any(
             "[*]" in e.text for e in drv.find_elements(By.CSS_SELECTOR, ".jp-InputPrompt"))
             and drv.find_elements(*idle))
-        old_plot = wait("the calculator's plot for K = 12 (a decoded image)", _plot_src)
+
+        def new_plot(exclude=None):
+            def check(drv):
+                if _errors(drv):
+                    raise AssertionError("the calculator's live plot raised:\n" + _errors(drv)[0][-1500:])
+                return _plot_src(drv, exclude=exclude)
+            return check
+        old_plot = wait("the calculator's plot for K = 12 (a decoded image)", new_plot())
 
         k_box = driver.find_element(By.XPATH, k_xpath)
         driver.execute_script("arguments[0].scrollIntoView({block: 'start'});", k_box)
@@ -283,12 +290,7 @@ def test_calculator_slider_changes_the_table_in_jupyterlab(jupyterlab, tmp_path)
                 break
         wait("the K slider's readout to show 13", lambda drv: k_readout(drv) == 13.0)
         wait(f"the calculator's table for K = 13 ({after[1]!r})", shows(after))
-
-        def new_plot(drv):
-            if _errors(drv):
-                raise AssertionError("the calculator's live plot raised:\n" + _errors(drv)[0][-1500:])
-            return _plot_src(drv, exclude=old_plot)
-        plot = wait("a new plot image after the slider move (K = 13)", new_plot)
+        plot = wait("a new plot image after the slider move (K = 13)", new_plot(exclude=old_plot))
         assert not _errors(driver), _errors(driver)[0][-1500:]
         ink, coloured = _ink(plot)
         print(f"calculator plot after the move: {len(plot) * 3 // 4:,}-byte PNG, "
