@@ -78,7 +78,8 @@ def launch(out: Path, stages: str, args, backend: str, device: str, nproc: int, 
     any other failure raises LaunchError."""
     argv = ["--stages", stages, "--preset", preset, "--steps", str(args.steps), "--out", str(out),
             "--backend", backend, "--device", device, "--grad-accum", str(accum),
-            "--batch-size", str(labs.batch_size_for(nproc * accum, args.batch_size))]
+            "--batch-size", str(labs.batch_size_for(nproc * accum, args.batch_size)),
+            "--overwrite"]                          # this script owns its runs folder
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     try:
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
     if device == "cuda":
         for key in ("max_allocated", "reserved", "device_used"):
             print(f"  {key}: {CUDA_FIGURES[key]}")
-    snaps = sorted(str(p) for p in (runs_dir / "notes").glob("stage*/rank*_snapshot.pickle"))
+    snaps = sorted(str(p) for p in (runs_dir / "notes").glob("stage*/rank*_snapshot.json"))
     if device == "cuda":
         checks.append({"check": "cuda snapshot", "ok": bool(snaps),
                        "detail": f"{len(snaps)} allocator snapshot(s) under {runs_dir / 'notes'}"})

@@ -157,7 +157,7 @@ def compare_run(tmp_path_factory):
     args = COMPARE + ["--out", str(out)]
     res = run_cmd(args)
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = json.loads((out / "compare.json").read_text())
+    rows = json.loads((out / "compare.json").read_text())["rows"]
     return out, args, rows, {s: load_rank0(out, s)["losses"] for s in (0, 1, 2, 3)}
 
 
@@ -181,7 +181,7 @@ def test_same_command_twice_gives_identical_losses(compare_run):
     out, args, _, first = compare_run
     for s in (0, 1, 2, 3):                      # so that stale files cannot pass for new ones
         (out / f"stage{s}" / "rank0.json").unlink()
-    res = run_cmd(args)                         # the very same command, same output folder
+    res = run_cmd(args + ["--overwrite"])       # the very same command, same output folder
     assert res.returncode == 0, res.stdout + res.stderr
     second = {s: load_rank0(out, s)["losses"] for s in (0, 1, 2, 3)}
     assert second == first                      # bit-identical floats, not approx

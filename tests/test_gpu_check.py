@@ -11,7 +11,6 @@ ranks, so a broken GPU path fails CI even where no GPU is lent.
 - `zerolab.train --device cuda` without a GPU ends with one line, not a traceback.
 """
 import json
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -49,8 +48,8 @@ def _snapshot(tmp_path, trace, live_blocks, max_entries=None):
                           + [{"size": 999, "state": "inactive"}]}]}
     if max_entries is not None:             # what memory.cuda_memory_history adds
         snap["zerolab"] = {"allocated_at_start": 300, "max_entries": max_entries}
-    path = tmp_path / "rank0_snapshot.pickle"
-    path.write_bytes(pickle.dumps(snap))
+    path = tmp_path / "rank0_snapshot.json"         # as memory.cuda_memory_history writes it
+    path.write_text(json.dumps({"run_id": "test", "snapshot": snap}))
     return path, snap
 
 

@@ -2,6 +2,7 @@
 
 Layers (each imports only from those above it):
     theory     formulas: bytes per rank per stage, traffic per step, busbw factors
+    costmodel  time: α-β collectives, FLOPs, a step replayed per stage (linkemu: emulated link)
     comm       every collective, recorded in a per-rank ledger
     sharding   flat buffers, padding, owned ranges, buckets / blocks
     ddp, zero1, zero2, zero3   the strategies (forward / backward / step)
@@ -9,7 +10,7 @@ Layers (each imports only from those above it):
     model, data  the GPT and the text
     train      torchrun entry point: config -> run -> stage{S}/rank{r}.json
     checkpoint sharded save, resume at any world size / stage, offline consolidate
-    launch, cli  zerolab memory | train | compare | labs
+    launch, cli  zerolab memory | time | whatif | train | compare | bench | labs | checkpoint
 """
 from .ddp import DDP
 from .zero1 import ZeRO1

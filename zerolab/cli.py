@@ -14,13 +14,14 @@ naming the bad value; a failed launch exits 1 with the failing rank's traceback.
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import contextlib
 import sys
 from pathlib import Path
 
 from . import theory
-from .launch import LaunchError, auto_note, resolve, run_torchrun
+from .launch import LaunchError, LaunchInterrupted, auto_note, resolve, run_torchrun
+from .preflight import check_data_path, check_finite, check_fits_memory, check_rdzv_endpoint
+from .runs import atomic_json, check_out_dir, start_run
 
 class HELP(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" once: not when the help text already names its default, and not
@@ -32,17 +33,22 @@ class HELP(argparse.ArgumentDefaultsHelpFormatter):
             return text
         return super()._get_help_string(action)
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
-               "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout")
+               "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout", "link_gbps",
+               "link_latency_us", "zero3_prefetch_depth")
 
 
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
+def _number(positive: bool = False):
+    """An argparse type: a finite float (> 0 when `positive`); the error names the value."""
+    def parse(text):
+        try:
+            return check_finite("", text, positive=positive)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).strip()) from None
+    parse.__name__ = "positive number" if positive else "number"
+    return parse
+
+
+_positive_float = _number(positive=True)
 
 
 def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_default):
@@ -61,8 +67,8 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
                    help="bf16: 2+2+4+4+4 bytes/param; fp32: exact equivalence runs")
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS,
                    help="ZeRO-1 gradient path: the notes' all_reduce, or reduce_scatter")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="global clipping; <= 0: none")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--max-grad-norm", type=_number(), default=1.0, help="global clipping; <= 0: none")
     p.add_argument("--seed", type=int, default=0, help="model init and batch sampling")
     p.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
     p.add_argument("--timeline", action="store_true", help="record memory over the last step")
@@ -73,7 +79,19 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
                    "to OUT/stage{S}/params.pt")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's forward in backward (torch.utils.checkpoint)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds before the run is killed")
+    p.add_argument("--timeout", type=_positive_float, default=900,
+                   help="seconds before the run is killed")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run OUT already holds (default: refuse)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="emulate a link of this many Gb/s per rank (gloo): see zerolab/linkemu.py")
+    p.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
+    p.add_argument("--zero3-prefetch-depth", type=int, default=None,
+                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all)")
+    p.add_argument("--zero3-keep-root", action="store_true",
+                   help="ZeRO-3: keep the root unit gathered from forward into backward")
+    p.add_argument("--trace", action="store_true",
+                   help="Chrome/Perfetto trace of the last step but one: OUT/stage{S}/trace_rank{r}.json")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun: number of nodes")
     p.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank")
     p.add_argument("--rdzv-endpoint", default=None, help="torchrun: HOST:PORT of the first node")
@@ -87,7 +105,43 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--params", type=_positive_float, default=7.5e9, help="Ψ, e.g. 7.5e9")
     mem.add_argument("--world-size", type=int, default=64, help="data-parallel ranks N")
     mem.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
-    mem.add_argument("--optimizer-bytes", type=float, default=None, help="K (default 12)")
+    mem.add_argument("--optimizer-bytes", type=_positive_float, default=None, help="K (default 12)")
+
+    tm = sub.add_parser("time", formatter_class=HELP, help="per-stage step time from the cost model (costmodel.py)")
+    tm.add_argument("--params", type=_positive_float, default=7.5e9, help="Ψ, e.g. 7.5e9")
+    tm.add_argument("--world-size", type=int, default=64, help="data-parallel ranks N")
+    tm.add_argument("--tokens-per-rank", type=_positive_float, default=4096, help="tokens per rank per step")
+    tm.add_argument("--blocks", type=int, default=32, help="equal blocks (ZeRO-3 gathers one at a time)")
+    tm.add_argument("--link", default="ib-ndr", help="a named link profile (costmodel.LINKS; a wrong name lists them)")
+    tm.add_argument("--link-gbps", type=_positive_float, default=None, help="custom bandwidth, Gb/s per rank per direction")
+    tm.add_argument("--link-latency-us", type=float, default=None, help="custom α, us per ring step")
+    tm.add_argument("--device", default="h100", help="a named device profile (costmodel.DEVICES)")
+    tm.add_argument("--device-tflops", type=_positive_float, default=None, help="custom peak, TFLOP/s")
+    tm.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak reached (MFU)")
+    tm.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+
+    wi = sub.add_parser("whatif", formatter_class=HELP, help="one rank of a large world on a fake process group (whatif.py)")
+    wi.add_argument("--preset", default="1b", help="nano, tiny, small, gpt2, medium, 1b")
+    wi.add_argument("--world-size", type=int, default=1024, help="data-parallel ranks N")
+    wi.add_argument("--rank", type=int, default=0, help="which rank to run")
+    wi.add_argument("--stage", "--stages", dest="stages", default="0,1,2,3", help="stage or comma list")
+    wi.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    wi.add_argument("--tokens-per-rank", type=_positive_float, default=4096, help="for the time model")
+    wi.add_argument("--link", default="ib-ndr", help="a named link profile (costmodel.LINKS)")
+    wi.add_argument("--device", default="h100", help="a named device profile (costmodel.DEVICES)")
+
+    from .bench import SYSTEMS
+    be = sub.add_parser("bench", formatter_class=HELP, help="zerolab stages vs torch DDP / ZeRO optimizer / FSDP2, interleaved (bench.py)")
+    be.add_argument("--nproc", type=int, default=2, help="gloo ranks on this machine")
+    be.add_argument("--preset", default="small", help="nano, tiny, small, ...")
+    be.add_argument("--systems", default=",".join(SYSTEMS), help="comma list")
+    be.add_argument("--rounds", type=int, default=7, help="timed rounds (one step of every system each)")
+    be.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    be.add_argument("--batch-size", type=int, default=8, help="global batch in rows")
+    be.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
+    be.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
+    be.add_argument("--out", default="runs/bench", help="writes OUT/bench.json")
+    be.add_argument("--timeout", type=float, default=1800, help="seconds before the run is killed")
 
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
     _add_launch_args(train, "0", 2, "tiny", 5)
@@ -106,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     labs.add_argument("--only", default=None, help="comma list of lab name fragments")
     labs.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
                       help="papermill parameter override for every lab (repeatable)")
-    labs.add_argument("--timeout", type=float, default=900, help="seconds per lab")
+    labs.add_argument("--timeout", type=_positive_float, default=900, help="seconds per lab")
+    labs.add_argument("--overwrite", action="store_true",
+                      help="replace the labs run OUT already holds (default: refuse)")
     labs.add_argument("--reference", action="store_true",
                       help="plot the committed CPU reference run instead of launching ranks")
 
@@ -141,6 +197,43 @@ def cmd_memory(args) -> int:
     return 0
 
 
+def cmd_time(args) -> int:
+    from . import costmodel
+    theory.check_world_size(args.world_size)
+    link = costmodel.get_link(args.link, args.link_gbps, args.link_latency_us)
+    device = costmodel.get_device(args.device, args.device_tflops)
+    print(costmodel.format_time_table(args.params, args.world_size, args.tokens_per_rank, link, device,
+                                      args.blocks, args.precision, args.efficiency))
+    return 0
+
+
+def cmd_whatif(args) -> int:
+    from . import costmodel, whatif
+    from .train import parse_stages
+    theory.check_world_size(args.world_size)
+    link, device = costmodel.get_link(args.link), costmodel.get_device(args.device)
+    reports = whatif.whatif(args.preset, args.world_size, parse_stages(args.stages), rank=args.rank,
+                            precision=args.precision)
+    print(whatif.format_whatif(reports, link, device, args.tokens_per_rank, args.precision))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import check_args
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc} must be >= 1")
+    args.lr, args.seed = 1e-3, 0
+    check_args(args, args.nproc)
+    argv = ["--preset", args.preset, "--systems", args.systems, "--rounds", str(args.rounds),
+            "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--out", args.out]
+    for flag in ("link_gbps", "link_latency_us"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    print(f"zerolab bench: {args.nproc} gloo rank(s), preset {args.preset}", flush=True)
+    run_torchrun(argv, args.nproc, timeout=args.timeout, module="zerolab.bench")
+    return 0
+
+
 def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[str]:
     argv = ["--stages", stages, "--out", out, "--backend", backend, "--device", device]
     for name in TRAIN_FLAGS:
@@ -148,7 +241,8 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
-                                                                  "activation_checkpointing")
+                                                        "trace", "zero3_keep_root",
+                                                        "activation_checkpointing")
              if getattr(args, flag)]
     for flag in ("save_every", "resume"):                   # train only
         if getattr(args, flag, None) is not None:
@@ -161,45 +255,71 @@ def check_launch(args) -> tuple[str, str]:
     from .data import load_tokens
     from .train import check_args
     backend, device = resolve(args.nproc, args.backend, args.device, args.nnodes)
+    world_size = args.nproc * args.nnodes
     if getattr(args, "resume", None):       # fills the options not given from the checkpoint
         from .checkpoint import given_options
         from .train import check_resume     # (rank 0 prints what differs from the checkpoint)
-        check_resume(args, given_options(build_parser(), args.argv), args.nproc * args.nnodes)
-    load_tokens(args.data, check_args(args, args.nproc * args.nnodes).block_size)
+        check_resume(args, given_options(build_parser(), args.argv), world_size)
+    cfg = check_args(args, world_size)
+    check_out_dir(args.out)
+    if args.rdzv_endpoint is not None:
+        check_rdzv_endpoint(args.rdzv_endpoint)
+    if args.data is not None:
+        check_data_path(args.data)
+    load_tokens(args.data, cfg.block_size)
+    check_fits_memory(cfg, batch_size=args.batch_size, nproc=args.nproc, world_size=world_size,
+                      grad_accum=args.grad_accum, stages=args.stage_list, precision=args.precision,
+                      device=device)
     return backend, device
 
 
-def launch(args, stages: str) -> None:
+@contextlib.contextmanager
+def started(args, command: str):
+    """Check the arguments, then start the run in --out (lock + manifest, `zerolab.runs`); yield
+    (run id, backend, device). A node other than node 0 starts no run: node 0 owns it."""
     backend, device = check_launch(args)
+    if args.node_rank:
+        yield None, backend, device
+        return
+    with start_run(args.out, command=command, args=vars(args), overwrite=args.overwrite,
+                   world_size=args.nproc * args.nnodes,
+                   resume=getattr(args, "resume", None)) as run:
+        yield run.run_id, backend, device
+
+
+def launch(args, stages: str, run_id: str | None, backend: str, device: str) -> None:
     if getattr(args, "resume", None):
         stages = args.stages                # check_launch took it from the checkpoint if not given
     print(f"zerolab: {args.nproc * args.nnodes} rank(s), {backend} on {device}, stages {stages}, "
-          f"preset {args.preset}", flush=True)
+          f"preset {args.preset}" + (f", run {run_id}" if run_id else ""), flush=True)
     note = auto_note(args.nproc, args.backend, args.device, backend, device)
     if note:
         print(f"zerolab: {note}", flush=True)
-    run_torchrun(_train_argv(args, stages, args.out, backend, device), args.nproc,
+    argv = _train_argv(args, stages, args.out, backend, device)
+    run_torchrun(argv + (["--run-id", run_id] if run_id else []), args.nproc,
                  timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank,
                  rdzv_endpoint=args.rdzv_endpoint)
 
 
 def cmd_train(args) -> int:
-    launch(args, args.stages)
+    with started(args, "train") as (run_id, backend, device):
+        launch(args, args.stages, run_id, backend, device)
     return 0
 
 
 def cmd_compare(args) -> int:
     from .report import compare_rows, format_rows, load_run, plot_compare
-    launch(args, args.stages)               # rank 0 prints the table of its own numbers
-    runs = load_run(args.out)
-    rows = compare_rows(runs)                # every rank's: the maxima over ranks
-    if any(r["model_states"] != r["theory_states"] or r["traffic"] != r["theory_traffic"]
-           for r in rows):
-        print("\nsome rank differs from the formula; maxima over all ranks:")
-        print(format_rows(rows))
-    out = Path(args.out)
-    (out / "compare.json").write_text(json.dumps(rows, indent=1))
-    png = plot_compare(runs, out / "compare.png")
+    with started(args, "compare") as (run_id, backend, device):
+        launch(args, args.stages, run_id, backend, device)   # rank 0 prints its own numbers
+        runs = load_run(args.out)
+        rows = compare_rows(runs)                # every rank's: the maxima over ranks
+        if any(r["model_states"] != r["theory_states"] or r["traffic"] != r["theory_traffic"]
+               for r in rows):
+            print("\nsome rank differs from the formula; maxima over all ranks:")
+            print(format_rows(rows))
+        out = Path(args.out)
+        atomic_json(out / "compare.json", {"run_id": run_id, "rows": rows})
+        png = plot_compare(runs, out / "compare.png")
     print(f"\nwrote {out / 'compare.json'} and {png}")
     return 0
 
@@ -230,12 +350,18 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare,
-                "labs": cmd_labs, "checkpoint": cmd_checkpoint, "check": cmd_check,
-                "doctor": cmd_doctor}[args.command](args)
+        return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare, "time": cmd_time,
+                "whatif": cmd_whatif, "bench": cmd_bench, "labs": cmd_labs,
+                "checkpoint": cmd_checkpoint, "check": cmd_check, "doctor": cmd_doctor}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except LaunchInterrupted as err:
+        print(f"zerolab {args.command}: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"zerolab {args.command}: interrupted", file=sys.stderr)
+        return 130
     except LaunchError as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 1

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import theory
+from . import theory, trace
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases (2.11 on the GPU
 # machine) only have the old names. This is the one compatibility shim.
@@ -154,6 +154,7 @@ class Comm:
             self.gloo_threads = int(pg._get_backend(torch.device("cpu")).options._threads)
         except Exception:  # noqa: BLE001 - not gloo, or an older torch: gloo's default
             self.gloo_threads = 2
+        self.link = None        # a linkemu.LinkEmulator: collectives end no sooner than its model
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -216,9 +217,13 @@ class Comm:
         self.records.append(record)
         handle = Handle(work=None, record=record, started=time.perf_counter(), comm=self,
                         cuda=full.is_cuda)
-        handle.work = call()
+        with trace.issuing(record):              # labelled ranges in a --trace profile
+            handle.work = call()
         if self.backend != "nccl":
             self._stamp_completion(handle)
+        if self.link is not None:                # emulated network: done no sooner than the model
+            handle.work = self.link.issue(handle.work, op, size, handle)
+        handle.work = trace.waiting(handle.work, record)
         self._pending.append(handle)
         if not async_op:
             handle.wait()

@@ -452,10 +452,28 @@ def preset_table(presets=None, world_size: int = 8, precision: str = "bf16") -> 
 
 # --- same training -----------------------------------------------------------------------------
 def load_params(out, stage: int) -> dict:
-    """{name: fp32 tensor} saved by `zerolab.train --save-params` for `stage` under `out`."""
+    """{name: fp32 tensor} saved by `zerolab.train --save-params` for `stage` under `out`.
+
+    Loaded with weights_only=True (tensors and plain containers only: never code). When OUT has a
+    run manifest, the file must be the one that run wrote: its sha256 must equal the one in that
+    run's stage{S}/rank0.json; ValueError otherwise."""
+    import hashlib
+
     import torch
-    return torch.load(Path(out) / f"stage{stage}" / "params.pt", map_location="cpu",
-                      weights_only=True)
+
+    from .runs import read_manifest
+    path = Path(out) / f"stage{stage}" / "params.pt"
+    manifest = read_manifest(out)
+    if manifest:
+        try:
+            r0 = json.loads((path.parent / "rank0.json").read_text())
+        except (OSError, ValueError):
+            r0 = {}
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if r0.get("run_id") != manifest["run_id"] or r0.get("params_sha256") != digest:
+            raise ValueError(f"{str(path)!r} is not the file run {manifest['run_id']} wrote there "
+                             "(its sha256 is not in that run's rank0.json)")
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def max_param_diff(a: dict, b: dict) -> float:
@@ -467,16 +485,17 @@ def max_param_diff(a: dict, b: dict) -> float:
 # --- summaries and the `zerolab labs` report -----------------------------------------------------
 def save_summary(out, lab: str, numbers: dict, notes: list[str] | None = None) -> Path:
     """Write OUT/summary.json: the lab's key measured-vs-formula numbers for `zerolab labs`."""
+    from .runs import atomic_json, read_manifest
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "summary.json"
-    path.write_text(json.dumps({"lab": lab, "numbers": numbers, "notes": notes or []}, indent=1,
-                               default=float))
-    return path
+    run_id = (read_manifest(out) or {}).get("run_id")
+    return atomic_json(out / "summary.json", {"lab": lab, "run_id": run_id, "numbers": numbers,
+                                              "notes": notes or []}, default=float)
 
 
-def lab_notebooks(labs_dir: Path = LAB_DIR, only: str | None = None) -> list[Path]:
-    """labs/lab*.ipynb in order, filtered by `only` (comma list of name fragments)."""
+def lab_notebooks(labs_dir: Path | None = None, only: str | None = None) -> list[Path]:
+    """labs/lab*.ipynb (LAB_DIR, read at call time) in order, filtered by `only` (comma list of
+    name fragments)."""
+    labs_dir = LAB_DIR if labs_dir is None else labs_dir
     if not labs_dir.is_dir():
         raise FileNotFoundError(f"no labs folder at {str(labs_dir)!r}: run from a zerolab checkout "
                                 "(pip install -e .)")
@@ -491,12 +510,27 @@ def lab_notebooks(labs_dir: Path = LAB_DIR, only: str | None = None) -> list[Pat
 
 
 def _parse_overrides(items) -> list[tuple[str, str]]:
+    """[(name, value text)] from "NAME=VALUE" items. papermill writes names and values into the
+    parameters cell as code, so a name must be a Python identifier (ASCII), a value one line of
+    valid YAML; ValueError (one line) otherwise."""
+    import yaml
     out = []
     for item in items or []:
         name, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_]\w*", name.strip()):
-            raise ValueError(f"--parameter {item!r} must look like NAME=VALUE (e.g. steps=3)")
-        out.append((name.strip(), value.strip()))
+        name, value = name.strip(), value.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"--parameter {item!r} must look like NAME=VALUE with NAME a Python "
+                             "identifier (e.g. steps=3)")
+        if any(c in value for c in "\r\n\x0b\x0c\x85\u2028\u2029") or not value.isprintable():
+            raise ValueError(f"--parameter {name}: the value {value!r} must be one line of "
+                             "printable text")
+        try:
+            yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"--parameter {name}={value!r} is not valid YAML ({problem}); "
+                             "quote text, e.g. stages='0,1'") from None
+        out.append((name, value))
     return out
 
 
@@ -526,14 +560,22 @@ def run_labs(args) -> int:
     "NAME=VALUE" papermill overrides for every lab; args.timeout: seconds per lab. Every lab
     runs even when one fails; returns 1 when any failed, else 0.
     """
-    from .launch import LaunchError, run
+    from .runs import start_run
     out = Path(args.out).resolve()
     books = lab_notebooks(only=args.only)
     overrides = _parse_overrides(args.parameter)
     _check_overrides(overrides)
-    out.mkdir(parents=True, exist_ok=True)
+    with start_run(out, command="labs", args=vars(args), world_size=0,
+                   overwrite=getattr(args, "overwrite", False)) as run:
+        code = _run_books(books, out, overrides, args.timeout, run.run_id)
+    return code
+
+
+def _run_books(books, out, overrides, timeout, run_id) -> int:
+    from .launch import LaunchError, LaunchInterrupted, run
     results = []
     t_all = time.perf_counter()
+    interrupted = None
     for book in books:
         lab_out = out / book.stem
         cmd = [sys.executable, "-m", "papermill", str(book), str(out / book.name),
@@ -545,9 +587,13 @@ def run_labs(args) -> int:
         t0 = time.perf_counter()
         status, error = "ok", ""
         try:
-            run(cmd, timeout=args.timeout, echo=_lab_echo)
+            run(cmd, timeout=timeout, echo=_lab_echo)
+        except LaunchInterrupted as err:    # Ctrl-C / SIGTERM: stop the whole `zerolab labs`
+            interrupted = str(err).splitlines()[0]
+            status, error = "interrupted", interrupted
         except LaunchError as err:
             status, error = "FAILED", _error_text(err)
+        _tag_notebook(out / book.name, run_id)
         seconds = time.perf_counter() - t0
         summary = {}
         if (lab_out / "summary.json").exists():
@@ -557,13 +603,29 @@ def run_labs(args) -> int:
                         if lab_out.exists() else [], "notebook": book.name})
         print(f"zerolab labs: {book.stem} {status} in {seconds:.0f} s" + (f": {error}" if error else ""),
               flush=True)
-    report = write_report(out, results, time.perf_counter() - t_all, overrides)
+        if interrupted:
+            break
+    report = write_report(out, results, time.perf_counter() - t_all, overrides, run_id,
+                          interrupted=interrupted, planned=len(books))
     print(f"zerolab labs: report at {report}")
+    if interrupted:
+        raise LaunchInterrupted(f"{interrupted}; report at {report}")
     return 1 if any(r["status"] != "ok" for r in results) else 0
 
 
 _NOISE = re.compile(r"Executing Cell|Ending Cell|Kernel is running over TCP without encryption"
                     r"|^\s*(\S+ \S+ \[\w+\]\s*)?<Figure size [^>]*>\s*$")
+
+
+def _tag_notebook(path: Path, run_id: str):
+    """Record the run id in an executed notebook's metadata (metadata.zerolab.run_id)."""
+    from .runs import atomic_json
+    try:
+        nb = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    nb.setdefault("metadata", {})["zerolab"] = {"run_id": run_id}
+    atomic_json(path, nb)
 
 
 def _lab_echo(line: str):
@@ -574,20 +636,25 @@ def _lab_echo(line: str):
     print("   ", re.sub(r"^\S+ \S+ \[\w+\]\s*", "", line), flush=True)
 
 
-def write_report(out: Path, results: list[dict], seconds: float, overrides=()) -> Path:
-    """OUT/report.md: status, runtime, key numbers and figures of every lab."""
+def write_report(out: Path, results: list[dict], seconds: float, overrides=(), run_id=None,
+                 interrupted: str | None = None, planned: int | None = None) -> Path:
+    """OUT/report.md: status, runtime, key numbers and figures of every lab; says "interrupted"
+    first when the run was stopped before its last lab."""
+    from .runs import atomic_write
     ok = sum(r["status"] == "ok" for r in results)
-    lines = ["# ZeroLab labs report", "",
+    head = ([f"**Run interrupted** ({interrupted}) after {len(results)} of {planned or len(results)} "
+             "labs; the labs after it did not run.", ""] if interrupted else [])
+    lines = ["# ZeroLab labs report", "", *head,
              f"{ok} of {len(results)} labs passed in {seconds:.0f} s"
              + (f"; overrides: {', '.join(f'{k}={v}' for k, v in overrides)}" if overrides else "")
-             + ".", "",
+             + "." + (f" Run {run_id}." if run_id else ""), "",
              "| lab | status | seconds | executed notebook |", "|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['lab']} | {r['status']} | {r['seconds']:.0f} | [{r['notebook']}]({r['notebook']}) |")
     for r in results:
         lines += ["", f"## {r['lab']}: {r['status']}", ""]
         if r["error"]:
-            lines += [f"Error: `{r['error']}`", ""]
+            lines += [f"Error: `{r['error'].replace('`', chr(39))}`", ""]
         numbers = (r["summary"] or {}).get("numbers", {})
         if numbers:
             lines += ["| quantity | value |", "|---|---|"]
@@ -600,9 +667,7 @@ def write_report(out: Path, results: list[dict], seconds: float, overrides=()) -
             lines.append("")
         for png in r["pngs"]:
             lines += [f"![{r['lab']}: {png}]({r['lab']}/{png})", ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return atomic_write(out / "report.md", "\n".join(lines) + "\n")
 
 
 def _fmt(v):

@@ -15,7 +15,6 @@ Categories (bytes): params, grads, master_weights, exp_avg, exp_avg_sq (the five
 from __future__ import annotations
 
 import contextlib
-import pickle
 import time
 from pathlib import Path
 
@@ -147,25 +146,26 @@ SNAPSHOT_MAX_ENTRIES = 200_000
 
 
 @contextlib.contextmanager
-def cuda_memory_history(path: Path, max_entries: int = SNAPSHOT_MAX_ENTRIES):
-    """Record the CUDA caching allocator's history inside the block and dump it to `path` (a
-    pickle that `zerolab.plots` draws offline with matplotlib; torch's HTML viewer needs the
-    internet). The pickle is torch's snapshot dict (what `_dump_snapshot` writes) plus
-    "zerolab": {"allocated_at_start", "allocated_at_end" (bytes), "max_entries"}: the history
-    keeps only the last `max_entries` events, and blocks allocated before recording began are
-    freed inside it, so a plot needs both. CUDA only."""
+def cuda_memory_history(path: Path, max_entries: int = SNAPSHOT_MAX_ENTRIES, tag: dict | None = None):
+    """Record the CUDA caching allocator's history inside the block and write it to `path` as
+    JSON, which `zerolab.plots` draws offline with matplotlib (torch's HTML viewer needs the
+    internet). JSON, not torch's `_dump_snapshot` pickle: reading a snapshot must never unpickle
+    (run) a file someone else put there. The file holds `tag` (e.g. the run id) and "snapshot":
+    torch's snapshot dict (`torch.cuda.memory._snapshot()`) plus "zerolab": {"allocated_at_start",
+    "allocated_at_end" (bytes), "max_entries"}: the history keeps only the last `max_entries`
+    events, and blocks allocated before recording began are freed inside it, so a plot needs
+    both. CUDA only."""
+    from .runs import atomic_json
     start = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=max_entries)
     try:
         yield
     finally:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         snap["zerolab"] = {"allocated_at_start": start, "max_entries": max_entries,
                            "allocated_at_end": torch.cuda.memory_allocated()}
-        with open(path, "wb") as f:
-            pickle.dump(snap, f)
+        atomic_json(path, {**(tag or {}), "snapshot": snap}, default=str)
 
 
 def padding_bytes(units, stage: int, precision: str = "bf16") -> dict[str, int]:

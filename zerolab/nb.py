@@ -12,6 +12,7 @@ timeout or interrupt.
 """
 from __future__ import annotations
 
+import argparse
 import inspect
 
 from .launch import auto_note, resolve, run_torchrun
@@ -32,15 +33,21 @@ def show(obj, *, lines: tuple[int, int] | None = None):
 
 
 def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backend="auto",
-           device="auto", timeout=600, echo=print, **train_flags) -> dict[int, list[dict]]:
+           device="auto", timeout=600, echo=print, overwrite=True,
+           **train_flags) -> dict[int, list[dict]]:
     """Run `zerolab.train` on `nproc` local ranks; return {stage: [rank0 json, ...]}.
 
     train_flags: any `zerolab.train` option with underscores, e.g. batch_size=8,
     precision="fp32", zero1_grad_op="reduce_scatter", timeline=True, grad_accum=2.
-    Raises ValueError for a bad nproc / backend / device before any process starts, and
-    zerolab.launch.LaunchError (with the rank's traceback) when the run fails.
+    The run owns `out` while it lasts (a lock, a manifest: `zerolab.runs`); a run `out` already
+    holds is replaced (re-executing a notebook reruns its cells), unless overwrite=False.
+    Raises ValueError for bad arguments, a folder in use, or too little memory, before any process
+    starts, and zerolab.launch.LaunchError (with the rank's traceback) when the run fails.
     """
     from . import reference
+    from .cli import check_launch
+    from .runs import check_out_dir, start_run
+    from .train import build_parser
     if reference.active():              # a class whose launch failed: the committed CPU run
         r0 = load_run(reference.restore(out))
         first = r0[min(r0)][0]
@@ -60,8 +67,23 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
             argv.append(flag)
         elif value not in (None, False):
             argv += [flag, str(value)]
-    run_torchrun(argv, nproc, timeout=timeout, echo=echo)
-    return load_run(out)
+    parser = build_parser()                     # the ranks' own parser: a bad flag fails here
+    parser.exit_on_error = False
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as err:
+        raise ValueError(str(err)) from None
+    if unknown:
+        raise ValueError(f"unknown zerolab.train option(s): {' '.join(unknown)}")
+    args.nproc, args.nnodes, args.rdzv_endpoint = nproc, 1, None
+    if train_flags.get("resume"):           # the ranks fill the options from the checkpoint
+        check_out_dir(out)
+    else:
+        check_launch(args)
+    with start_run(out, command="train", args=vars(args), world_size=nproc,
+                   overwrite=overwrite, resume=train_flags.get("resume")) as run:
+        run_torchrun(argv + ["--run-id", run.run_id], nproc, timeout=timeout, echo=echo)
+        return load_run(out)
 
 
 def use_reference(on: bool = True):

@@ -10,7 +10,8 @@ bytes, hatched, in the colour of what they hold.
 """
 from __future__ import annotations
 
-import pickle
+import json
+
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -296,14 +297,15 @@ def snapshot_series(snap: dict, max_entries: int | None = None) -> list[dict]:
 
 
 def cuda_snapshot(path, title: str = ""):
-    """Allocated bytes (absolute, see `snapshot_series`) over the events of a
-    `torch.cuda.memory._dump_snapshot` pickle, drawn offline (the built-in HTML viewers load
-    JavaScript from the internet). Reads what `memory.cuda_memory_history` adds under
-    "zerolab" when present: the allocated bytes when recording began (a dotted line) and the
-    buffer size, to say on the plot when old events were dropped."""
+    """Allocated bytes (absolute, see `snapshot_series`) over the events of a CUDA allocator
+    snapshot that `memory.cuda_memory_history` wrote as JSON, drawn offline (the built-in HTML
+    viewers load JavaScript from the internet). Never unpickles: a pickle could run code. Reads
+    what `cuda_memory_history` adds under "zerolab" when present: the allocated bytes when
+    recording began (a dotted line) and the buffer size, to say on the plot when old events
+    were dropped."""
     from .memory import SNAPSHOT_MAX_ENTRIES
-    with open(path, "rb") as f:
-        snap = pickle.load(f)
+    snap = json.loads(Path(path).read_text())
+    snap = snap.get("snapshot", snap)
     meta = snap.get("zerolab") or {}
     fig, ax = plt.subplots(figsize=(14, 3.6))
     notes = []
@@ -417,5 +419,105 @@ def same_training(runs_by_precision: dict[str, dict[int, list[dict]]]):
         ax.set_xlabel("step", fontsize=FONT)
         ax.set_ylabel("loss", fontsize=FONT)
         _legend_below(ax, ncol=1, offset=-0.14)
+    fig.tight_layout()
+    return fig
+
+
+# --- time (notebook 12, lab 6): drawn from costmodel results and run JSON ------------------------
+def _nbytes(size: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:g} {unit}"
+    return f"{size:g} B"
+
+
+def ring_latency(link, sizes=(8, 1e6, 1e9), ns=(2, 4, 8, 16, 64, 256, 1024)):
+    """All_reduce and all_gather time vs N on `link` (a costmodel.Link) for a few message sizes
+    S (bytes): small messages grow with N (latency, 2(N-1)α), large ones level off (bandwidth)."""
+    from . import costmodel
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    styles = ["-", "--", ":"]
+    for op in ("all_reduce", "all_gather"):
+        for size, ls in zip(sizes, styles):
+            ax.plot(ns, [costmodel.collective_time(op, size, n, link) * 1e3 for n in ns], ls,
+                    marker="o", ms=4, color=COLLECTIVE_COLORS[op], label=f"{op}, S = {_nbytes(size)}")
+    ax.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="time (ms)",
+           title=f"ring collectives on {link.name}: α = {link.latency * 1e6:g} us, "
+                 f"β = {link.bandwidth / 1e9:g} GB/s")
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
+
+
+def step_replay(replays: dict):
+    """One pair of lanes per replay ({label: costmodel.StepTime}): compute (grey spans; the gaps
+    are waits for communication) and the link (each collective in its op's colour). The right end
+    of the compute lane is the step time."""
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.9 * len(replays)))
+    ticks, labels = [], []
+    for k, (label, st) in enumerate(replays.items()):
+        y = 2 * (len(replays) - 1 - k)
+        for a, b in st.compute_spans:
+            ax.barh(y + 0.5, (b - a) * 1e3, left=a * 1e3, height=0.35, color="0.7",
+                    edgecolor="white", linewidth=0.3)
+        for c in st.collectives:
+            ax.barh(y, (c.end - c.start) * 1e3, left=c.start * 1e3, height=0.35,
+                    color=COLLECTIVE_COLORS[c.op], edgecolor="white", linewidth=0.5)
+        ax.text(st.total * 1e3, y + 0.5, f" {st.total * 1e3:.3g} ms (compute {st.compute * 1e3:.3g})",
+                va="center", fontsize=8)
+        ticks += [y, y + 0.5]
+        labels += [f"{label}: link", f"{label}: compute"]
+    ax.barh(0, 0, color="0.7", label="compute")
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        ax.barh(0, 0, color=COLLECTIVE_COLORS[op], label=op)
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set(xlabel="time in the step (ms)", title="one step replayed: compute (gaps = waiting) and the link")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.margins(x=0.25)
+    fig.tight_layout()
+    return fig
+
+
+def comm_bound(block_params: float, world_size: int, link, device, tokens=None):
+    """A block's forward compute (rises with tokens per rank) against its all_gather (flat);
+    they cross at the ZeRO-3 threshold T* (costmodel.zero3_comm_bound_tokens)."""
+    from . import costmodel
+    t_star = costmodel.zero3_comm_bound_tokens(block_params, world_size, link, device)
+    tokens = tokens or [2 ** k for k in range(6, 18)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(tokens, [costmodel.compute_time(block_params, t, device, passes="fwd") * 1e3
+                     for t in tokens], color="0.3", marker="o", ms=3, label="block forward compute")
+    gather = costmodel.collective_time("all_gather", 2 * block_params, world_size, link) * 1e3
+    ax.axhline(gather, color=COLLECTIVE_COLORS["all_gather"], label="block all_gather (bf16)")
+    ax.axvline(t_star, color="0.5", ls=":", label=f"T* = {t_star:,.0f} tokens per rank")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per rank per step", ylabel="ms",
+           title=f"Ψ_block = {block_params:.3g}, N = {world_size}, {device.name} on {link.name}")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def time_by_stage(rows: list[dict]):
+    """Lab 6: per link and stage, the measured median step time (bar, min-max whisker) next to the
+    cost model's prediction with overlap (black tick) and without (open circle).
+    rows: {"link", "label", "median_s", "min_s", "max_s", "model_s", "serial_s"}."""
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4), squeeze=False)
+    for ax, link in zip(axes[0], links):
+        sub = [r for r in rows if r["link"] == link]
+        x = range(len(sub))
+        med = [r["median_s"] * 1e3 for r in sub]
+        err = [[m - r["min_s"] * 1e3 for m, r in zip(med, sub)],
+               [r["max_s"] * 1e3 - m for m, r in zip(med, sub)]]
+        ax.bar(x, med, 0.6, yerr=err, color="C0", alpha=0.7, capsize=3, label="measured (median, min-max)")
+        ax.plot(x, [r["model_s"] * 1e3 for r in sub], "_", color="k", ms=22, mew=2,
+                label="model, with overlap")
+        ax.plot(x, [r["serial_s"] * 1e3 for r in sub], "o", mfc="none", color="k",
+                label="model, no overlap")
+        ax.set_xticks(list(x), [r["label"] for r in sub], rotation=20, fontsize=8)
+        ax.set(ylabel="step time (ms)", title=f"emulated link {link}")
+        ax.set_ylim(0, max(max(r["max_s"], r["serial_s"]) for r in sub) * 1e3 * 1.1)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
     fig.tight_layout()
     return fig

@@ -13,18 +13,29 @@ from pathlib import Path
 from . import theory
 
 
-def load_run(out_dir) -> dict[int, list[dict]]:
-    """{stage: [rank0 json, rank1 json, ...]} from OUT/stage*/rank*.json (ranks in order).
+def load_run(out_dir, echo=None) -> dict[int, list[dict]]:
+    """{stage: [rank0 json, rank1 json, ...]} from OUT/stage*/rank*.json, of one run only.
 
-    Raises FileNotFoundError naming `out_dir` when it holds no stage folders."""
+    The run is the one OUT/run.json names (`zerolab.runs`); files of other runs (a stale rank3
+    after a 2-rank rerun, a stage left from an earlier run) are left out, and `echo` (default:
+    stderr) says so. Raises FileNotFoundError naming `out_dir` when it holds no results of that
+    run, and ValueError when a stage lacks some rank of the run's world size."""
+    from .runs import one_run
     out = Path(out_dir)
-    runs = {}
-    for folder in sorted(out.glob("stage[0-3]")):
-        ranks = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-        if ranks:
-            runs[int(folder.name[5:])] = [json.loads(p.read_text()) for p in ranks]
+    items = [(p, json.loads(p.read_text())) for folder in sorted(out.glob("stage[0-3]"))
+             for p in folder.glob("rank*.json") if p.stem[4:].isdigit()]
+    run_id, items = one_run(out, items, echo)
+    runs: dict[int, list[dict]] = {}
+    for _, r in sorted(items, key=lambda x: (x[1]["stage"], x[1]["rank"])):
+        runs.setdefault(r["stage"], []).append(r)
     if not runs:
-        raise FileNotFoundError(f"no stage*/rank*.json under {str(out)!r}: run zerolab train first")
+        raise FileNotFoundError(f"no stage*/rank*.json of run {run_id} under {str(out)!r}: run "
+                                "zerolab train first")
+    for stage, ranks in runs.items():
+        n = ranks[0]["world_size"]
+        if [r["rank"] for r in ranks] != list(range(n)):
+            raise ValueError(f"{str(out)!r}: stage {stage} of run {run_id} has rank files "
+                             f"{[r['rank'] for r in ranks]}, not 0..{n - 1} (the run did not finish)")
     return runs
 
 
@@ -129,8 +140,10 @@ def plot_compare(runs: dict[int, list[dict]], path) -> Path:
                  f"N = {n} ranks, {runs[stages[0]][0]['backend']} on {runs[stages[0]][0]['device']}",
                  fontsize=FONT + 2)
     fig.tight_layout()
+    from .runs import atomic_path
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    with atomic_path(path) as tmp:            # the run id rides in the PNG's metadata
+        fig.savefig(tmp, dpi=110, bbox_inches="tight",
+                    metadata={"zerolab_run_id": str(runs[stages[0]][0].get("run_id"))})
     plt.close(fig)
     return path

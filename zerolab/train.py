@@ -17,7 +17,8 @@ import argparse
 import contextlib
 import datetime
 import gc
-import json
+import hashlib
+import math
 import os
 import sys
 import time
@@ -26,13 +27,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import STRATEGIES, checkpoint, theory
+from . import STRATEGIES, checkpoint, linkemu, theory, trace
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
 from .memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memory_history,
                      padding_bytes, transient_peak)
 from .model import GPT, PRESETS, get_config, num_params
+from .preflight import check_finite, check_seed
 from .report import compare_rows, format_rows
+from .runs import atomic_json, atomic_path
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -60,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
     p.add_argument("--zero3-prefetch", action="store_true",
                    help="ZeRO-3: gather the next block while the current one computes")
+    p.add_argument("--zero3-prefetch-depth", type=int, default=None,
+                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all); overrides --zero3-prefetch")
+    p.add_argument("--zero3-keep-root", action="store_true",
+                   help="ZeRO-3: keep the root unit gathered from forward into backward")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's forward in backward (torch.utils.checkpoint)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -72,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--timeline", action="store_true", help="record memory over the last step")
     p.add_argument("--cuda-snapshot", action="store_true", help="CUDA only: record the allocator's "
-                   "history over the last step into OUT/stage{S}/rank{r}_snapshot.pickle")
+                   "history over the last step into OUT/stage{S}/rank{r}_snapshot.json")
     p.add_argument("--save-params", action="store_true",
                    help="rank 0 saves the final fp32 state dict (every key of GPT.state_dict(), "
                    "from the master weights) to OUT/stage{S}/params.pt")
@@ -86,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-allocator", action="store_true",
                    help="skip the allocator / MemTracker cross-check on the last step")
     p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait")
+    p.add_argument("--run-id", default=None, help="the run id the launcher recorded in OUT/run.json "
+                   "(default: rank 0 starts a run of its own there)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="without --run-id: replace the run OUT holds instead of refusing")
+    p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this many "
+                   "Gb/s per rank (linkemu.py; gloo only): collectives end no sooner than the model")
+    p.add_argument("--link-latency-us", type=float, default=None,
+                   help="emulated link latency α, microseconds per ring step (with --link-gbps)")
+    p.add_argument("--trace", action="store_true", help="torch.profiler Chrome trace of the last "
+                   "step but one per rank: OUT/stage{S}/trace_rank{r}.json (trace.py)")
     p.add_argument("--crash-rank", type=int, default=None, help=argparse.SUPPRESS)  # tests: this
     return p                                                                         # rank raises
 
@@ -108,8 +125,15 @@ def check_args(args, world_size: int):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     for name in ("lr", "timeout"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name} {getattr(args, name)} must be > 0")
+        check_finite(f"--{name}", getattr(args, name), positive=True)
+    check_finite("--max-grad-norm", args.max_grad_norm)
+    check_finite("--weight-decay", getattr(args, "weight_decay", 0.0), minimum=0)
+    check_seed(args.seed)
+    depth = getattr(args, "zero3_prefetch_depth", None)
+    if depth is not None and depth < -1:
+        raise ValueError(f"--zero3-prefetch-depth {depth} must be >= 0, or -1 (all blocks)")
+    linkemu.from_args(getattr(args, "link_gbps", None), getattr(args, "link_latency_us", None),
+                      world_size)          # ValueError for a bad emulated link
     if args.batch_size % (world_size * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
                          f"{world_size} x --grad-accum {args.grad_accum}")
@@ -154,7 +178,9 @@ def make_strategy(stage, model, comm, args, meter):
     if stage == 1:
         kwargs["grad_op"] = args.zero1_grad_op
     if stage == 3:
-        kwargs["prefetch"] = args.zero3_prefetch
+        depth = getattr(args, "zero3_prefetch_depth", None)
+        kwargs["prefetch"] = args.zero3_prefetch if depth is None else depth
+        kwargs["keep_root"] = getattr(args, "zero3_keep_root", False)
     return STRATEGIES[stage](model, comm, **kwargs)
 
 
@@ -201,13 +227,17 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         total = torch.zeros((), dtype=torch.float32, device=device)   # stays on the device:
         for micro in range(A):                                           # no host sync per micro-step
             xm, ym = (rank_slice(t, rank, n, micro, A).to(device) for t in (x, y))
-            loss = strategy.forward(xm, ym)
-            strategy.backward(loss / A, sync=micro == A - 1)
+            with trace.phase("forward"):
+                loss = strategy.forward(xm, ym)
+            with trace.phase("backward"):
+                strategy.backward(loss / A, sync=micro == A - 1)
             total += loss.detach().float() / A
-        norm = strategy.step()
+        with trace.phase("step"):
+            norm = strategy.step()
         return total, norm
 
     losses, norms, times, allocator = [], [], [], None
+    trace_step = max(start, args.steps - 2)     # not the last: it runs the allocator cross-check
     for step in range(start, args.steps):
         comm.step = step
         if args.crash_rank == rank and step == args.steps - 1:
@@ -217,9 +247,12 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         meter.reset_peaks()
         meter.sample(strategy, "step start")
         t0 = time.perf_counter()
-        snapshot = (cuda_memory_history(Path(args.out) / f"stage{stage}" / f"rank{rank}_snapshot.pickle")
+        snapshot = (cuda_memory_history(Path(args.out) / f"stage{stage}" / f"rank{rank}_snapshot.json",
+                                        tag={"run_id": args.run_id, "stage": stage, "rank": rank})
                     if last and args.cuda_snapshot and device.type == "cuda" else contextlib.nullcontext())
-        with snapshot:
+        profiler = trace.chrome_trace(Path(args.out) / f"stage{stage}" / f"trace_rank{rank}.json",
+                                      device, enabled=args.trace and step == trace_step)
+        with snapshot, profiler:
             if last and not args.no_allocator:
                 result = {}
                 held = [t for cat, ts in strategy.state_tensors().items()     # the optimizer
@@ -238,6 +271,8 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
             comm.all_reduce(mean, what="metric", unit="loss")
         losses.append(mean.item() / n)      # the loss reaches the host once per step
         norms.append(float(norm))
+        if not (math.isfinite(losses[-1]) and math.isfinite(norms[-1])):
+            stop_non_finite(stage, step, local, losses[-1], norms[-1], comm)
         if rank == 0:
             print(f"[stage {stage}] step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  "
                   f"grad_norm {norms[-1]:.4f}  {times[-1] * 1e3:.0f} ms", flush=True)
@@ -265,14 +300,15 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         val = strategy.forward(xm, ym).detach().float().reshape(())
         with comm.phase("eval"):
             comm.all_reduce(val, what="metric", unit="val_loss")
+    params_sha256 = None
     if args.save_params:            # every rank gathers the fp32 masters, rank 0 writes
         params, gather_peak = transient_peak(
             lambda: checkpoint.gather_state_dict(strategy, model, comm), device,
             held_tensors(model, strategy))
         if rank == 0:
-            path = Path(args.out) / f"stage{stage}" / "params.pt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(params, path)
+            with atomic_path(Path(args.out) / f"stage{stage}" / "params.pt") as tmp:
+                torch.save(params, tmp)     # a plain state dict; its sha256 goes in rank0.json
+                params_sha256 = hashlib.sha256(tmp.read_bytes()).hexdigest()
         del params              # for comparison: gathering the whole training state to save it
         _, full_peak = transient_peak(lambda: {k: checkpoint.gather_flat(strategy, comm, k)
                                                for k in checkpoint.KEYS}, device,
@@ -285,12 +321,17 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
     ledger = comm.to_json()
     finish_stage(strategy)
     return {
-        "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank, "world_size": n,
+        "run_id": args.run_id, "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank,
+        "world_size": n, "params_sha256": params_sha256,
         "backend": dist.get_backend(), "device": str(device), "precision": args.precision,
         "preset": args.preset, "model_config": cfg.__dict__, "num_params": psi,
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
-        "zero3_prefetch": args.zero3_prefetch if stage == 3 else None,
+        "zero3_prefetch": (args.zero3_prefetch if args.zero3_prefetch_depth is None
+                           else args.zero3_prefetch_depth) if stage == 3 else None,
+        "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
+        "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
+                 if args.link_gbps is not None else None),
         "seed": args.seed, "start_step": start, "resumed_from": ckpt and str(ckpt.folder),
         "checkpoints": saved, "losses": losses, "val_loss": val.item() / n, "grad_norms": norms,
         "step_times_s": times,
@@ -312,6 +353,61 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
                  "time_sources": comm.time_sources()},
         "before_stage": leftover,
     }
+
+
+class NonFinite(RuntimeError):
+    """Training produced a non-finite loss or gradient norm; the message is one line."""
+
+
+def stop_non_finite(stage, step, local, mean, norm, comm):
+    """Every rank calls this at the same step (the mean loss and the global norm are the same on
+    every rank); it finds the first rank whose own loss is non-finite and raises NonFinite."""
+    n = comm.world_size
+    locals_ = torch.zeros(n, dtype=torch.float32, device=local.device)
+    mine = local.reshape(1).float().to(local.device)
+    comm.all_gather(locals_, mine, what="metric", unit="loss")
+    bad = [r for r, v in enumerate(locals_.tolist()) if not math.isfinite(v)]
+    if bad:
+        what = f"rank {bad[0]}'s loss is {locals_[bad[0]].item()}"
+    elif not math.isfinite(mean):
+        what = f"the mean loss over ranks is {mean} (rank 0)"
+    else:
+        what = f"the global gradient norm is {norm} (rank 0)"
+    raise NonFinite(f"{theory.STAGE_NAMES[stage]} step {step + 1}: {what}; the run stopped there "
+                    "(lower --lr, or use --precision fp32)")
+
+
+def agree_on_run(args, world_size: int, comm, device) -> str:
+    """The run id every rank tags its files with: --run-id from a launcher (with several nodes
+    only node 0's launcher passes one, and torchrun's c10d rendezvous may give rank 0 to another
+    node, so the lowest rank that has one broadcasts it), else rank 0 starts a run of its own in
+    --out (manifest and lock, `zerolab.runs`). Raises ValueError (on every rank) when rank 0
+    could not start the run."""
+    from .runs import begin_run
+    n = comm.world_size
+    has = torch.zeros(n, dtype=torch.int64, device=device)
+    comm.all_gather(has, torch.tensor([int(args.run_id is not None)], device=device),
+                    what="metric", unit="run_id")
+    src = next((r for r, h in enumerate(has.tolist()) if h), 0)
+    payload, error = torch.zeros(256, dtype=torch.uint8), None
+    if comm.rank == src:
+        run_id = args.run_id
+        if run_id is None:
+            try:
+                args._run = begin_run(args.out, command="train", args=vars(args).copy(),
+                                      world_size=world_size, overwrite=args.overwrite,
+                                      resume=getattr(args, "resume", None))
+                run_id = args._run.run_id
+            except ValueError as err:
+                error = str(err)
+        text = ("E" + error if error else "R" + run_id).encode()[:256]
+        payload[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    payload = payload.to(device)
+    comm.broadcast(payload, src, what="metric", unit="run_id")
+    text = bytes(payload.cpu().tolist()).rstrip(b"\0").decode()
+    if text[0] == "E":
+        raise ValueError(text[1:])
+    return text[1:]
 
 
 def check_device(args):
@@ -354,25 +450,36 @@ def main(argv=None) -> int:
         cfg = check_args(args, world_size)
         check_device(args)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
+        link = linkemu.from_args(args.link_gbps, args.link_latency_us, world_size)
+        if link is not None and args.backend != "gloo":
+            raise ValueError(f"--link-gbps emulates a link for gloo only, not --backend {args.backend}")
     except ValueError as err:
         if int(os.environ["RANK"]) == 0:
             print(f"zerolab.train: error: {err}", file=sys.stderr)
         return 2
     comm, device = setup(args)
+    comm.link = link
+    status = "failed"
     try:
+        args.run_id = agree_on_run(args, world_size, comm, device)
         results = []
         for stage in args.stage_list:
             result = run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt)
-            out = Path(args.out) / f"stage{stage}"
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"rank{comm.rank}.json").write_text(json.dumps(result, indent=1))
+            atomic_json(Path(args.out) / f"stage{stage}" / f"rank{comm.rank}.json", result)
             results.append(result)
             dist.barrier()
         if comm.rank == 0:
             print("\nrank 0, bytes after the last step (formula at the padded Ψ):")
             print(format_rows(compare_rows({r["stage"]: [r] for r in results})), flush=True)
-            print(f"wrote {Path(args.out).resolve()}/stage*/rank*.json", flush=True)
+            print(f"wrote {Path(args.out).resolve()}/stage*/rank*.json (run {args.run_id})", flush=True)
+        status = "ok"
+    except (ValueError, NonFinite) as err:
+        if comm.rank == 0:                  # every rank raised the same one-line error
+            print(f"zerolab.train: error: {err}", file=sys.stderr, flush=True)
+        return 2 if isinstance(err, ValueError) else 3
     finally:
+        if getattr(args, "_run", None) is not None:
+            args._run.finish(status)
         dist.destroy_process_group()
     return 0
 

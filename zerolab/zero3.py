@@ -41,10 +41,19 @@ def free_params(unit):
 class ZeRO3:
     stage = 3
 
-    def __init__(self, model, comm, *, prefetch=False, max_grad_norm=0.0, meter=None, **adamw):
+    def __init__(self, model, comm, *, prefetch=False, keep_root=False, max_grad_norm=0.0,
+                 meter=None, **adamw):
         """prefetch=True issues the next block's all_gather (forward order in forward, reverse
         in backward) as soon as the current block is gathered, so it can overlap the current
-        block's compute; the price is a second gathered block in memory."""
+        block's compute; the price is a second gathered block in memory. prefetch=k gathers k
+        blocks ahead (k + 1 gathered blocks), -1 all remaining blocks at once. keep_root=True
+        keeps the root unit gathered from forward into backward (one all_gather fewer, the
+        root's full weights held in between)."""
+        if isinstance(prefetch, bool):
+            prefetch = int(prefetch)
+        if not isinstance(prefetch, int) or prefetch < -1:
+            raise ValueError(f"prefetch {prefetch!r} must be a bool, a depth >= 0, or -1 (all)")
+        self.keep_root = keep_root
         self.model, self.comm, self.meter, self.prefetch = model, comm, meter, prefetch
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.units = build_units(model, comm.world_size, comm.rank)
@@ -75,13 +84,14 @@ class ZeRO3:
         else:
             gather_params(self.comm, u)
         self._sample(f"all_gather {u.name}")
-        if self.prefetch and u in self.blocks:
-            i = self.blocks.index(u) + (-1 if self.comm.current_phase == "backward" else 1)
-            if 0 <= i < len(self.blocks) and self.blocks[i].name not in self.prefetched:
-                nxt = self.blocks[i]
-                alloc_storage(nxt.param_flat)
-                self.prefetched[nxt.name] = self.comm.all_gather(
-                    nxt.param_flat, nxt.param_shard, what="params", unit=nxt.name, async_op=True)
+        if self.prefetch and u in self.blocks:          # depth: True = 1, k, or -1 = all
+            order = self.blocks[::-1] if self.comm.current_phase == "backward" else self.blocks
+            k, depth = order.index(u), int(self.prefetch)
+            for nxt in order[k + 1:] if depth < 0 else order[k + 1:k + 1 + depth]:
+                if nxt.name not in self.prefetched:
+                    alloc_storage(nxt.param_flat)
+                    self.prefetched[nxt.name] = self.comm.all_gather(
+                        nxt.param_flat, nxt.param_shard, what="params", unit=nxt.name, async_op=True)
 
     def _free(self, u):
         free_params(u)
@@ -94,7 +104,8 @@ class ZeRO3:
                 self._gather(u)
             loss = self.model(x, y)
             for u in self.root:
-                self._free(u)
+                if not self.keep_root:      # keep_root: held into backward (FSDP2's root)
+                    self._free(u)
             return loss
 
     # --- backward: gather again, reduce_scatter each bucket, free params and bucket ----------
@@ -104,7 +115,8 @@ class ZeRO3:
             u.ready = 0
         with self.comm.phase("backward"):
             for u in self.root:
-                self._gather(u)
+                if not (self.keep_root and u.param_flat.untyped_storage().nbytes()):
+                    self._gather(u)
                 self._open_bucket(u)
             loss.backward()
             for u in self.units:            # a unit whose params got no gradient still syncs

@@ -1,0 +1,170 @@
+"""The cost model against numbers derived by hand (in the comments) from the α-β ring formulas.
+
+Sources: nccl-tests PERFORMANCE.md (ring bytes 2(n-1)/n and (n-1)/n), scaling-book (α-β model,
+6Ψ FLOPs per token), NVIDIA datasheets for the profiles.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from zerolab import costmodel as cm
+from zerolab.costmodel import Link, Unit
+
+
+def test_collective_times_by_hand():
+    link = Link("t", bandwidth=1e9, latency=1e-5)
+    # all_reduce, n = 4, S = 1 MB: 2·3 steps · 10 us + 2·3/4 · 1e6 / 1e9 s = 60 us + 1.5 ms
+    assert cm.collective_time("all_reduce", 1e6, 4, link) == pytest.approx(1.56e-3, rel=1e-12)
+    # reduce_scatter and all_gather: 3 · 10 us + 3/4 · 1 ms
+    for op in ("reduce_scatter", "all_gather"):
+        assert cm.collective_time(op, 1e6, 4, link) == pytest.approx(0.78e-3, rel=1e-12)
+    # broadcast: 3 · 10 us + 1 ms
+    assert cm.collective_time("broadcast", 1e6, 4, link) == pytest.approx(1.03e-3, rel=1e-12)
+    assert cm.collective_time("all_reduce", 1e6, 1, link) == 0.0
+    with pytest.raises(ValueError, match="'gather'"):
+        cm.collective_time("gather", 1, 2, link)
+
+
+def test_ring_latency_grows_with_n_and_bandwidth_term_saturates():
+    link = Link("t", bandwidth=1e9, latency=1e-5)
+    small = [cm.collective_time("all_reduce", 8, n, link) for n in (2, 8, 64)]
+    assert small == pytest.approx([2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * 8e-9 for n in (2, 8, 64)])
+    big = Link("t", bandwidth=1e9, latency=0.0)
+    assert cm.collective_time("all_reduce", 1e9, 1024, big) == pytest.approx(2 * 1023 / 1024)
+
+
+def test_compute_time_six_psi_per_token():
+    dev = cm.Device("d", 1e15)
+    # 1e9 params x 1000 tokens x 6 FLOPs / 1e15 FLOP/s = 6 ms; forward is a third, backward two
+    assert cm.compute_time(1e9, 1000, dev) == pytest.approx(6e-3)
+    assert cm.compute_time(1e9, 1000, dev, passes="fwd") == pytest.approx(2e-3)
+    assert cm.compute_time(1e9, 1000, dev, passes="bwd") == pytest.approx(4e-3)
+    assert cm.compute_time(1e9, 1000, dev, efficiency=0.5) == pytest.approx(12e-3)
+    with pytest.raises(ValueError, match="efficiency"):
+        cm.compute_time(1, 1, dev, efficiency=0)
+
+
+# Two blocks, forward 1 s and backward 2 s each; n = 2 and α = 0, so with bf16 (2 bytes per
+# element) and β = 2 bytes/s a unit of 1 element takes all_reduce 1 s, reduce_scatter and
+# all_gather 0.5 s each.
+UNITS = [Unit("block.0", 1, 1.0, 2.0), Unit("block.1", 1, 1.0, 2.0)]
+SLOW = Link("slow", bandwidth=2.0, latency=0.0)
+
+
+def test_ddp_overlap_by_hand():
+    # forward 0-2; block.1 backward 2-4, its all_reduce 4-5; block.0 backward 4-6, all_reduce 6-7
+    over = cm.step_time(0, UNITS, 2, SLOW)
+    assert over.total == pytest.approx(7.0) and over.compute == pytest.approx(6.0)
+    assert [(c.start, c.end) for c in over.collectives] == [(4, 5), (6, 7)]
+    # without overlap every all_reduce is waited at once: 6 s compute + 2 s comm
+    assert cm.step_time(0, UNITS, 2, SLOW, overlap=False).total == pytest.approx(8.0)
+
+
+def test_zero3_with_and_without_prefetch_by_hand():
+    # no prefetch: gather 0-.5, fwd .5-1.5, gather 1.5-2, fwd 2-3; bwd: gather 3-3.5, bwd 3.5-5.5,
+    # reduce_scatter 5.5-6 and gather of block.0 queued behind it 6-6.5, bwd 6.5-8.5, rs 8.5-9
+    plain = cm.step_time(3, UNITS, 2, SLOW, clip=False)
+    assert plain.total == pytest.approx(9.0)
+    assert cm.step_time(3, UNITS, 2, SLOW, overlap=False, clip=False).total == pytest.approx(9.0)
+    # prefetch: gather 0-.5, block.1's gather .5-1 under fwd .5-1.5, fwd 1.5-2.5; bwd: gather
+    # 2.5-3, block.0's gather 3-3.5 under bwd 3-5, rs 5-5.5 under bwd 5-7, rs 7-7.5
+    pre = cm.step_time(3, UNITS, 2, SLOW, prefetch=True, clip=False)
+    assert pre.total == pytest.approx(7.5)
+    assert pre.by_op() == pytest.approx({"all_reduce": 0, "reduce_scatter": 1.0,
+                                         "all_gather": 2.0, "broadcast": 0})
+
+
+def test_zero2_all_gather_after_step_is_exposed():
+    # rs of block.1 4-4.5, of block.0 6-6.5; grad-norm scalar (4 bytes: 2 s at 2 B/s, factor 1)
+    # 6.5-8.5; all_gathers 8.5-9.5
+    t = cm.step_time(2, UNITS, 2, SLOW)
+    assert t.total == pytest.approx(9.5)
+    assert cm.step_time(2, UNITS, 2, SLOW, clip=False).total == pytest.approx(7.5)
+
+
+def test_stage_ordering_from_bytes():
+    """With compute long enough to hide gradient traffic, exposed comm is ZeRO-3 > ZeRO-2 > DDP."""
+    units = cm.uniform_units(1e9, 16, 4096, cm.DEVICES["h100"])
+    link = cm.LINKS["100gbe"]
+    exposed = [cm.step_time(s, units, 64, link).exposed_comm for s in (0, 2, 3)]
+    assert exposed[0] < exposed[1] < exposed[2]
+    pre = cm.step_time(3, units, 64, link, prefetch=True)
+    assert pre.total < cm.step_time(3, units, 64, link).total
+
+
+def test_comm_bound_threshold_is_where_gather_equals_compute():
+    dev, n, psi_b = cm.DEVICES["h100"], 64, 2e8
+    link = cm.LINKS["ib-ndr"]
+    t_star = cm.zero3_comm_bound_tokens(psi_b, n, link, dev)
+    gather = cm.collective_time("all_gather", 2 * psi_b, n, link)
+    assert cm.compute_time(psi_b, t_star, dev, passes="fwd") == pytest.approx(gather)
+    # closed form with α = 0: (n-1)/n · F/β = 63/64 · 989e12 / 50e9 = 19,471.9 tokens
+    no_alpha = Link("x", link.bandwidth, 0.0)
+    assert cm.zero3_comm_bound_tokens(psi_b, n, no_alpha, dev) == pytest.approx(63 / 64 * 989e12 / 50e9)
+
+
+def test_profiles_have_sources_and_custom_values():
+    assert all(len(p.source) > 20 for p in (*cm.LINKS.values(), *cm.DEVICES.values()))
+    assert cm.get_link(gbps=8).bandwidth == pytest.approx(1e9)            # 8 Gb/s = 1 GB/s
+    assert cm.get_link("ib-ndr").gbps == pytest.approx(400)
+    assert cm.get_link("ib-ndr", latency_us=1).latency == pytest.approx(1e-6)
+    assert cm.get_device(tflops=100).flops == 1e14
+    for bad in (dict(name="wifi"), dict(gbps=0), dict(gbps=1, latency_us=-1), dict()):
+        with pytest.raises(ValueError):
+            cm.get_link(**bad)
+
+
+def test_cli_time_prints_stages_and_threshold():
+    out = subprocess.run([sys.executable, "-m", "zerolab", "time", "--params", "7.5e9",
+                          "--world-size", "64", "--tokens-per-rank", "4096", "--link", "ib-ndr",
+                          "--device", "h100"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # 63/64 · 989e12/50e9 = 19,472 plus 63 · 5 us · 989e12 / (2 · 7.5e9/32) = 665: 20,136
+    assert "ZeRO-3 +prefetch" in out.stdout and "T* = 20,136 tokens" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "zerolab", "time", "--link", "wifi"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "'wifi'" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+THREE = [Unit(f"block.{i}", 1, 1.0, 2.0) for i in range(3)]
+
+
+def test_zero3_unlimited_prefetch_by_hand():
+    # forward: gather block.0 0-.5, then block.1 and block.2 issued at .5 run .5-1 and 1-1.5
+    # under block.0's compute .5-1.5; fwd ends 3.5. backward: gather block.2 3.5-4, block.1 and
+    # block.0 queued 4-4.5, 4.5-5 under bwd 4-6; rs 6-6.5; bwd 6-8, rs 8-8.5; bwd 8-10; the third
+    # rs waits for the first (two in flight), runs 10-10.5
+    t = cm.step_time(3, THREE, 2, SLOW, prefetch=-1, clip=False)
+    assert t.total == pytest.approx(10.5)
+    fwd = [(c.unit, c.issued, c.start, c.end) for c in t.collectives if c.phase == "forward"]
+    assert fwd == [("block.0", 0, 0, .5), ("block.1", .5, .5, 1), ("block.2", .5, 1, 1.5)]
+    assert cm.step_time(3, THREE, 2, SLOW, prefetch=0, clip=False).total == pytest.approx(
+        cm.step_time(3, THREE, 2, SLOW, prefetch=False, clip=False).total)
+    with pytest.raises(ValueError, match="-2"):
+        cm.step_time(3, THREE, 2, SLOW, prefetch=-2)
+
+
+def test_keep_root_saves_the_second_root_gather():
+    units = [Unit("root", 4, 0.5, 0.5), *UNITS]      # root all_gather: 4 x 2 B / 2 / 2 B/s = 2 s
+    plain = cm.step_time(3, units, 2, SLOW, clip=False)
+    kept = cm.step_time(3, units, 2, SLOW, clip=False, keep_root=True)
+    assert plain.total - kept.total == pytest.approx(2.0)
+    assert sum(c.unit == "root" and c.op == "all_gather" for c in kept.collectives) == 1
+
+
+def test_merged_buckets_issue_fewer_collectives():
+    merged = cm.merge_units([Unit("root", 1), *THREE], bucket_numel=2)
+    assert [(u.name, u.numel, u.bwd_s) for u in merged] == [
+        ("root", 1, 0.0), ("block.0-1", 2, 4.0), ("block.2", 1, 2.0)]
+    # latency-bound link (α = 1 s, β huge): 2 s per all_reduce at n = 2, whatever the size;
+    # per block: fwd 0-3; bwd block.2 3-5, block.1 5-7, block.0 7-9; ARs 5-7, 7-9, 9-11
+    lat = Link("lat", bandwidth=1e12, latency=1.0)
+    assert cm.step_time(0, THREE, 2, lat).total == pytest.approx(11.0)
+    # merged: block.2 bwd 3-5, AR 5-7; block.1+0 bwd 5-9, AR 9-11: same end, one α pair fewer
+    two = cm.merge_units(THREE, bucket_numel=2)
+    assert len(cm.step_time(0, two, 2, lat).collectives) == 2
+    with pytest.raises(ValueError):
+        cm.merge_units(THREE, 0)

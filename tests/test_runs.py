@@ -1,0 +1,234 @@
+"""Results of different runs are never mixed, and nothing runs that the user did not ask for.
+
+Mixing: a folder in use is refused (a lock held by another process); a folder holding another
+run is refused, or cleanly replaced with --overwrite; readers keep one run's files and say so.
+Security (the loopback-only listeners of a single-node run are checked in test_faults.py, on a
+launch that is running there anyway): no file is unpickled unless it holds only tensors (torch.load weights_only=True); CUDA snapshots
+are JSON, and a planted pickle runs nothing.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from zerolab import cli, labs, report, runs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started")
+    monkeypatch.setattr(cli, "run_torchrun", refuse)
+
+
+def fake_rank(out: Path, run_id: str, stage: int, rank: int, world_size: int):
+    runs.atomic_json(out / f"stage{stage}" / f"rank{rank}.json",
+                     {"run_id": run_id, "stage": stage, "rank": rank, "world_size": world_size})
+
+
+def finished_run(out: Path, world_size: int, stages=(0, 1, 2, 3)) -> str:
+    run = runs.begin_run(out, command="compare", args={}, world_size=world_size, overwrite=True)
+    for s in stages:
+        for r in range(world_size):
+            fake_rank(out, run.run_id, s, r, world_size)
+    run.finish("ok")
+    return run.run_id
+
+
+# --- a folder in use -----------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys, no_launch, overwrite):
+    out = tmp_path / "o"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from zerolab.runs import begin_run
+        run = begin_run({str(out)!r}, command="compare", args={{}}, world_size=2)
+        print("locked", run.run_id, flush=True)
+        time.sleep(50)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        first = holder.stdout.readline().split()
+        assert first[0] == "locked"
+        code = cli.main(["compare", "--nproc", "2", "--preset", "nano", "--steps", "2",
+                         "--out", str(out)] + (["--overwrite"] if overwrite else []))
+    finally:
+        holder.kill()
+        holder.wait()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "in use by a run that is still going" in line and first[1] in line
+    assert runs.read_manifest(out)["run_id"] == first[1]          # the first run's manifest stays
+    # once its process is gone the kernel has dropped the lock: the folder is usable again
+    assert not runs.in_use(out)
+
+
+# --- a folder holding another run ----------------------------------------------------------------
+def test_folder_holding_another_run_is_refused_without_overwrite(tmp_path, capsys, no_launch):
+    out = tmp_path / "o"
+    old = finished_run(out, 4)
+    code = cli.main(["compare", "--nproc", "2", "--preset", "nano", "--steps", "2", "--out", str(out)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and old in line and "--overwrite" in line
+    assert len(list(out.glob("stage*/rank*.json"))) == 16           # nothing was touched
+
+
+def test_overwrite_replaces_the_old_run_before_the_new_one_writes(tmp_path):
+    """A 4-rank run, then a 2-rank run with --overwrite killed after its stage 0: the folder holds
+    only the new run's files (no stale rank2/rank3, no old stage 3); the reader says it did not
+    finish. Files outside the old run's outputs are kept."""
+    out = tmp_path / "o"
+    finished_run(out, 4)
+    (out / "notes.txt").write_text("mine")
+    new = runs.begin_run(out, command="compare", args={}, world_size=2, overwrite=True)
+    for r in range(2):
+        fake_rank(out, new.run_id, 0, r, 2)
+    os.close(new._lock_fd)                  # the run dies here: no finish(), the lock is dropped
+    notes = []
+    loaded = report.load_run(out, echo=notes.append)
+    assert sorted(loaded) == [0] and [r["rank"] for r in loaded[0]] == [0, 1]
+    assert sorted(p.relative_to(out).as_posix() for p in out.glob("stage*/*")) == \
+        ["stage0/rank0.json", "stage0/rank1.json"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert notes and "did not finish" in notes[0] and new.run_id in notes[0]
+
+
+def test_reader_keeps_the_manifests_run_and_says_others_were_ignored(tmp_path):
+    """Stale files of another run next to the current one (as a 4-rank run followed by a 2-rank
+    run into the same folder left them before runs were tagged): only the current run is read."""
+    out = tmp_path / "o"
+    current = finished_run(out, 2)
+    for s in (0, 1, 2, 3):
+        for r in (2, 3):
+            fake_rank(out, "an-older-run", s, r, 4)
+    notes = []
+    loaded = report.load_run(out, echo=notes.append)
+    assert all([r["rank"] for r in ranks] == [0, 1] for ranks in loaded.values())
+    assert all(r["run_id"] == current for ranks in loaded.values() for r in ranks)
+    assert notes == [f"note: {str(out)!r}: read run {current} only; 8 file(s) of other runs ignored"]
+
+
+def test_reader_refuses_mixed_runs_without_a_manifest(tmp_path):
+    out = tmp_path / "o"
+    fake_rank(out, "run-a", 0, 0, 1)
+    fake_rank(out, "run-b", 3, 0, 1)
+    with pytest.raises(runs.RunFolderError, match="mixes files of 2 runs"):
+        report.load_run(out)
+
+
+def test_reader_refuses_a_stage_missing_a_rank(tmp_path):
+    out = tmp_path / "o"
+    run = runs.begin_run(out, command="train", args={}, world_size=2)
+    fake_rank(out, run.run_id, 0, 0, 2)
+    run.finish("ok")
+    with pytest.raises(ValueError, match=r"rank files \[0\], not 0..1"):
+        report.load_run(out, echo=lambda s: None)
+
+
+def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "rank0.json"
+    runs.atomic_json(path, {"run_id": "old"})
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(runs.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        runs.atomic_json(path, {"run_id": "new"})
+    assert json.loads(path.read_text()) == {"run_id": "old"}
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0.json"]      # no temporary left
+
+
+def test_manifest_records_the_run(tmp_path):
+    out = tmp_path / "o"
+    with runs.start_run(out, command="train", args={"steps": 2}, world_size=2) as run:
+        fake_rank(out, run.run_id, 0, 0, 2)
+        m = runs.read_manifest(out)
+        assert m["status"] == "running" and runs.in_use(out)
+    m = runs.read_manifest(out)
+    assert m["run_id"] == run.run_id and m["world_size"] == 2 and m["args"] == {"steps": 2}
+    assert m["status"] == "ok" and m["files"] == ["stage0/rank0.json"]
+    assert {"python", "torch", "zerolab"} <= set(m["versions"]) and m["started"] <= m["finished"]
+
+
+# --- nothing is unpickled ---------------------------------------------------------------------------
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "payload ran"))
+
+
+def test_load_params_never_runs_a_planted_pickle(tmp_path):
+    import torch
+    out = tmp_path / "o"
+    (out / "stage0").mkdir(parents=True)
+    marker = tmp_path / "marker"
+    torch.save({"params": {"w": Payload(str(marker))}}, out / "stage0" / "params.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        labs.load_params(out, 0)
+    assert not marker.exists()
+
+
+def test_load_params_reads_only_the_file_its_run_wrote(tmp_path):
+    """params.pt stays a plain state dict; the run's rank0.json holds its sha256. A file put there
+    by anything else (another run, a person) is refused before torch.load sees it."""
+    import hashlib
+
+    import torch
+    out = tmp_path / "o"
+    run_id = finished_run(out, 1, stages=(0,))
+    path = out / "stage0" / "params.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    r0 = json.loads((out / "stage0" / "rank0.json").read_text())
+    runs.atomic_json(out / "stage0" / "rank0.json",
+                     {**r0, "params_sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
+    assert torch.equal(labs.load_params(out, 0)["w"], torch.ones(2))
+    torch.save({"w": torch.zeros(2)}, path)          # replaced behind the run's back
+    with pytest.raises(ValueError, match=f"not the file run {run_id} wrote there"):
+        labs.load_params(out, 0)
+
+
+def test_every_torch_load_in_the_package_passes_weights_only_true():
+    calls = []
+    for path in sorted((ROOT / "zerolab").rglob("*.py")) + [ROOT / "labs" / "gpu_check.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "load" \
+                    and getattr(node.func.value, "id", "") == "torch":
+                kw = {k.arg: k.value for k in node.keywords}
+                calls.append((path.name, node.lineno))
+                assert isinstance(kw.get("weights_only"), ast.Constant) and \
+                    kw["weights_only"].value is True, f"{path.name}:{node.lineno}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not {"pickle", "cPickle", "dill"} & set(names), f"{path.name} imports pickle"
+    assert calls                                # labs.load_params at least
+
+
+def test_cuda_snapshot_plot_reads_json_and_never_unpickles(tmp_path):
+    from zerolab import plots
+    marker = tmp_path / "marker"
+    planted = tmp_path / "stage0" / "rank0_snapshot.json"
+    planted.parent.mkdir()
+    planted.write_bytes(pickle.dumps(Payload(str(marker))))
+    with pytest.raises(ValueError):                # not JSON: refused, nothing ran
+        plots.cuda_snapshot(planted)
+    assert not marker.exists()
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"run_id": "r", "snapshot": {"device_traces": [[
+        {"action": "alloc", "size": 1 << 20}, {"action": "free_completed", "size": 1 << 20}]]}}))
+    fig = plots.cuda_snapshot(good)
+    ys = fig.axes[0].lines[0].get_ydata()
+    assert list(ys) == [pytest.approx((1 << 20) / 1e6), 0.0]
+    lab3 = json.loads((ROOT / "labs" / "lab3_step_timeline.ipynb").read_text())
+    code = "".join("".join(c["source"]) for c in lab3["cells"] if c["cell_type"] == "code")
+    assert "pickle" not in code and "_snapshot.json" in code

@@ -1,0 +1,248 @@
+"""zerolab against torch: the same GPT, the same data, the systems interleaved round by round.
+
+Idea: a speed claim needs the same model, data, dtype and machine, and repeated runs whose spread
+is shown. Every rank builds each system from the same seed: zerolab stages 0-3 (+ ZeRO-3 prefetch),
+torch DistributedDataParallel, DDP + ZeroRedundancyOptimizer (parameters_as_bucket_view=True) and
+FSDP2 `fully_shard` with reshard_after_forward True (ZeRO-3-like) and False (ZeRO-2-like). Each
+round runs one optimizer step of every system, in an order rotated each round so that no system
+always follows the same neighbour; a barrier precedes each timed step; a step's time is the
+slowest rank's. Reported: median step time, spread (min-max over rounds), ratios to torch DDP
+and to FSDP2, model-state bytes per rank between steps, and bytes and collectives per step
+counted for every system by one TorchDispatchMode that sees c10d ops (demos/fsdp.py's counter,
+in one extra untimed step).
+
+    python -m zerolab bench --nproc 2 --preset small --rounds 7
+
+All systems run fp32 on CPU (torch DDP's bf16 mixed precision needs CUDA events). With
+--link-gbps only zerolab's systems run: the emulator sits in zerolab's Comm, torch's collectives
+do not pass through it. On a shared machine the figures are noisy: read the spread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import STRATEGIES, linkemu, theory
+from .comm import Comm
+from .data import get_batch, load_tokens, rank_slice
+from .model import GPT, PRESETS, get_config
+from .sharding import storage_bytes
+
+ZEROLAB = {"zerolab-ddp": (0, False), "zerolab-zero1": (1, False), "zerolab-zero2": (2, False),
+           "zerolab-zero3": (3, False), "zerolab-zero3-prefetch": (3, True)}
+TORCH = ("torch-ddp", "torch-ddp-zero", "fsdp2-reshard", "fsdp2-noreshard")
+SYSTEMS = (*ZEROLAB, *TORCH)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class System:
+    """One way to train the GPT: `step(x, y)` runs forward, backward and the optimizer step."""
+
+    def __init__(self, name, cfg, args, comm):
+        self.name = name
+        torch.manual_seed(args.seed)
+        model = GPT(cfg)
+        adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+        self.strategy, self.optimizer = None, None
+        if name in ZEROLAB:
+            stage, prefetch = ZEROLAB[name]
+            kwargs = {"prefetch": prefetch} if stage == 3 else {}
+            self.strategy = STRATEGIES[stage](model, comm, max_grad_norm=0.0, **kwargs, **adamw)
+            self.model = model
+            return
+        if name.startswith("fsdp2"):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            reshard = name == "fsdp2-reshard"
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            self.model = fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            self.optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+            return
+        from torch.nn.parallel import DistributedDataParallel
+        self.model = DistributedDataParallel(model)
+        if name == "torch-ddp-zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            self.optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
+                                                     parameters_as_bucket_view=True, **adamw)
+        else:
+            self.optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+
+    def step(self, x, y):
+        if self.strategy is not None:
+            self.strategy.backward(self.strategy.forward(x, y))
+            self.strategy.step()
+            return
+        self.model(x, y).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def state_bytes(self) -> int:
+        """Model-state bytes this rank holds between steps (params, grads, optimizer state)."""
+        if self.strategy is not None:
+            held = self.strategy.state_tensors()
+            return sum(storage_bytes(held.get(s, [])) for s in theory.STATES)
+        params = [_local(p) for p in self.model.parameters()]
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        opt = getattr(self.optimizer, "optim", self.optimizer)       # ZeroRedundancyOptimizer
+        states = [_local(v) for s in opt.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return storage_bytes(params) + storage_bytes(grads) + storage_bytes(states)
+
+
+def count_traffic(system, x, y) -> tuple[float, int]:
+    """(per-rank ring bytes, collectives) of one step, seen by a c10d dispatch counter."""
+    from .demos.fsdp import CollectiveCounter
+    with CollectiveCounter() as counter:
+        system.step(x, y)
+    total = 0.0
+    for row in counter.rows:
+        n = len(row["group"]) if row["group"] else dist.get_world_size()
+        width = getattr(torch, row["dtype"].split(".")[1]).itemsize
+        total += row["numel"] * width * theory.RING_FACTOR[row["op"]](n)
+    return total, len(counter.rows)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="zerolab.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="small", help=f"model size: {', '.join(PRESETS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds (one step of every system)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (rows)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
+    p.add_argument("--link-latency-us", type=float, default=None)
+    p.add_argument("--out", default="runs/bench")
+    return p
+
+
+def parse_systems(text: str, link: bool) -> list[str]:
+    """"zerolab-ddp,torch-ddp" -> list; ValueError names an unknown system."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    for s in names:
+        if s not in SYSTEMS:
+            raise ValueError(f"system {s!r} is not one of {', '.join(SYSTEMS)}")
+    if not names:
+        raise ValueError("--systems is empty")
+    return [s for s in names if s in ZEROLAB] if link else names
+
+
+def check_args(args, world_size: int) -> list[str]:
+    """Raise ValueError (one line) for bad values; return the systems to run."""
+    get_config(args.preset)
+    for name in ("rounds", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.warmup < 1:
+        raise ValueError(f"--warmup {args.warmup} must be >= 1 (the first step builds AdamW's state)")
+    if args.batch_size % world_size:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size {world_size}")
+    linkemu.from_args(args.link_gbps, args.link_latency_us, world_size)
+    return parse_systems(args.systems, args.link_gbps is not None)
+
+
+def run(args) -> dict | None:
+    """Every rank: build the systems, run the rounds; rank 0 returns the summary."""
+    torch.set_num_threads(1)
+    comm = Comm()
+    rank, n = comm.rank, comm.world_size
+    comm.link = linkemu.from_args(args.link_gbps, args.link_latency_us, n)
+    cfg = get_config(args.preset)
+    systems = [System(name, cfg, args, comm) for name in check_args(args, n)]
+    tokens, _ = load_tokens(None, cfg.block_size)
+    times = {s.name: [] for s in systems}
+    for r in range(args.warmup + args.rounds):
+        x, y = get_batch(tokens, r, args.batch_size, cfg.block_size, args.seed)
+        x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
+        k = r % len(systems)
+        for s in systems[k:] + systems[:k]:             # rotate the order every round
+            dist.barrier()
+            t0 = time.perf_counter()
+            s.step(x, y)
+            if r >= args.warmup:
+                times[s.name].append(time.perf_counter() - t0)
+    x, y = get_batch(tokens, 0, args.batch_size, cfg.block_size, args.seed)
+    x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
+    traffic = {s.name: count_traffic(s, x, y) for s in systems}
+    memory = {s.name: s.state_bytes() for s in systems}
+    gathered = [None] * n
+    dist.all_gather_object(gathered, times)
+    if rank != 0:
+        return None
+    rows = []
+    for s in systems:
+        slowest = [max(g[s.name][i] for g in gathered) for i in range(args.rounds)]
+        rows.append({"system": s.name, "median_s": statistics.median(slowest),
+                     "min_s": min(slowest), "max_s": max(slowest), "times_s": slowest,
+                     "state_bytes": memory[s.name], "bytes_per_step": traffic[s.name][0],
+                     "collectives_per_step": traffic[s.name][1]})
+    ref = {r["system"]: r["median_s"] for r in rows}
+    for row in rows:
+        row["vs_torch_ddp"] = row["median_s"] / ref["torch-ddp"] if "torch-ddp" in ref else None
+        row["vs_fsdp2"] = (row["median_s"] / ref["fsdp2-reshard"] if "fsdp2-reshard" in ref
+                           else None)
+    return {"preset": args.preset, "world_size": n, "rounds": args.rounds, "warmup": args.warmup,
+            "batch_size": args.batch_size, "precision": "fp32", "backend": dist.get_backend(),
+            "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
+                     if args.link_gbps else None), "rows": rows}
+
+
+def format_table(summary: dict) -> str:
+    """The bench table: median ms, spread, ratios, MB per rank, MB moved, collectives."""
+    link = summary["link"]
+    lines = [f"{summary['preset']} GPT, {summary['world_size']} ranks, {summary['backend']}, fp32, "
+             f"{summary['rounds']} rounds (median, min-max of the slowest rank)"
+             + (f", emulated link {link['gbps']} Gb/s + {link['latency_us']} us" if link else ""),
+             f"{'system':<24}{'median ms':>10}{'min-max ms':>16}{'x torch DDP':>12}{'x FSDP2':>9}"
+             f"{'states MB':>11}{'moved MB':>10}{'colls':>7}"]
+    for r in summary["rows"]:
+        ratio = (lambda v: f"{v:.2f}" if v is not None else "-")
+        spread = f"{r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}"
+        lines.append(f"{r['system']:<24}{r['median_s'] * 1e3:>10.1f}{spread:>16}"
+                     f"{ratio(r['vs_torch_ddp']):>12}{ratio(r['vs_fsdp2']):>9}"
+                     f"{r['state_bytes'] / 1e6:>11.2f}{r['bytes_per_step'] / 1e6:>10.2f}"
+                     f"{r['collectives_per_step']:>7}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import datetime
+    import os
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    except ValueError as err:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"zerolab.bench: error: {err}", file=sys.stderr)
+        return 2
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    try:
+        summary = run(args)
+        if summary is not None:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench.json").write_text(json.dumps(summary, indent=1))
+            print(format_table(summary), flush=True)
+            print(f"wrote {out.resolve() / 'bench.json'}", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    from .launch import rank_entry
+    rank_entry(main)
