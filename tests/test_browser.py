@@ -10,8 +10,9 @@ runs widget callbacks on a kernel subshell thread: notebook 02 must draw thread-
 A screenshot goes to the test's temp dir (path printed).
 
 Every wait is explicit, on one named condition, and fails naming what it awaited; all waits share
-one budget (ZEROLAB_BROWSER_BUDGET seconds, default 120) and pytest-timeout backs it up. The server is always shut down (its
-REST shutdown, then SIGTERM / SIGKILL of its process group, which holds the kernel too).
+one budget (ZEROLAB_BROWSER_BUDGET seconds, default 120) and pytest-timeout backs it up. The
+server is always shut down (its REST shutdown, then SIGTERM / SIGKILL of its process group, which
+holds the kernel too). The "Select Kernel" dialog is turned off in the test's user settings.
 
 Skipped when Chromium, chromedriver, Selenium or JupyterLab is missing, unless
 ZEROLAB_REQUIRE_BROWSER=1 (set by .ci/run, which installs them): then it fails instead.
