@@ -279,8 +279,10 @@ def test_calculator_slider_changes_the_table_in_jupyterlab(jupyterlab, tmp_path)
 
         k_box = driver.find_element(By.XPATH, k_xpath)
         driver.execute_script("arguments[0].scrollIntoView({block: 'start'});", k_box)
+
         def k_readout(drv) -> float:
-            return float(drv.find_element(By.XPATH, k_xpath + "//div[contains(@class,'widget-readout')]").text)
+            readout = k_xpath + "//div[contains(@class,'widget-readout')]"
+            return float(drv.find_element(By.XPATH, readout).text)
 
         for _attempt in range(3):         # a key press lost to a re-render is pressed again
             if k_readout(driver) == 12.0:
