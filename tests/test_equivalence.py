@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from conftest import global_batch, make_model, run_ranks
+from zerolab import testing
+from zerolab.testing import LR, WD, freeze, max_param_diff, trigger  # noqa: F401 - shared
 
-LR, WD, BETAS, EPS = 1e-4, 0.1, (0.9, 0.95), 1e-8
 STEPS = 5
 VARIANTS = [(0, None), (1, "all_reduce"), (1, "reduce_scatter"), (2, None), (3, None),
             (3, "prefetch")]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = testing.DTYPES
 
 
 # --- the ranks ---------------------------------------------------------------------------------
@@ -64,60 +65,10 @@ def train_worker(rank, n, jobs):
     return out
 
 
-def trigger(job, step):
-    """Rows of the global batch that take CondToy's branch at `step` (None: not a CondToy job)."""
-    return job["trigger"][step % len(job["trigger"])] if "trigger" in job else None
-
-
-def freeze(model, job, step):
-    """job["freeze"] = (step, name): set that parameter's requires_grad False from that step on."""
-    if "freeze" in job and step == job["freeze"][0]:
-        model.get_parameter(job["freeze"][1]).requires_grad_(False)
-
-
-# --- the single-process reference -------------------------------------------------------------
+# --- the single-process reference (zerolab.testing: shared with the exercise checker) ---------
 def reference(job, n):
-    """Plain torch: AdamW on the global batch; per-step loss, clip_grad_norm_ value, final params.
-
-    fp32: the model itself is optimised. bf16: the usual mixed-precision recipe, written out:
-    bf16 weights for forward/backward, fp32 master copies updated by AdamW and copied back."""
-    A, per = job["grad_accum"], job["rows_per_micro"]
-    model = make_model(job["model"]).to(DTYPES[job["precision"]])
-    params = [p for p in model.parameters() if p.requires_grad]
-    masters = [p.detach().float().clone().requires_grad_() for p in params] \
-        if job["precision"] == "bf16" else params
-    # the GPT-2 / nanoGPT groups: decay 2-D weights, not biases or LayerNorm weights
-    groups = [{"params": [m for m, p in zip(masters, params) if p.dim() >= 2], "weight_decay": WD},
-              {"params": [m for m, p in zip(masters, params) if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=job.get("lr", LR), betas=BETAS, eps=EPS)
-    losses, norms = [], []
-    for step in range(STEPS):
-        freeze(model, job, step)
-        x, y = global_batch(model, step, n * A * per, trigger=trigger(job, step))
-        for p in params:
-            p.grad = None
-        loss = model(x, y)
-        loss.backward()
-        if masters is not params:
-            for m, p in zip(masters, params):
-                m.grad = None if p.grad is None else p.grad.float()
-        norm = torch.nn.utils.clip_grad_norm_(masters, job["max_norm"] if job["max_norm"] > 0
-                                              else float("inf"))
-        opt.step()
-        if masters is not params:
-            with torch.no_grad():
-                for m, p in zip(masters, params):
-                    p.copy_(m)
-        losses.append(loss.item())
-        norms.append(norm.item())
-    return {"losses": losses, "norms": norms,
-            "params": {k: v.detach().float() for k, v in model.named_parameters()}}
-
-
-def max_param_diff(a: dict, b: dict) -> float:
-    """Largest |a - b| over every element of every parameter (same names on both sides)."""
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    """Plain torch: AdamW on the global batch (zerolab.testing.reference, no zerolab strategy)."""
+    return testing.reference(job, n, STEPS)
 
 
 def global_losses(per_rank, variant, n):

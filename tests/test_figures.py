@@ -101,3 +101,33 @@ def test_labs_echo_drops_kernel_noise(capsys):
     _lab_echo("[stage 0] step 1/2  loss 5.51")
     out = capsys.readouterr().out
     assert "encryption" not in out and "<Figure" not in out and "loss 5.51" in out
+
+
+@pytest.mark.parametrize("allocator", ["MemTracker (CPU)", "CUDA peak only"])
+def test_lab1_memory_figure_legends_below_the_data(allocator):
+    """Lab 1's figure on the committed CPU reference run (and the same run as a GPU would report
+    it: an absolute peak, no split by type): every legend lies under its axes' plotting area and
+    clear of the tick labels, every text >= 8 pt."""
+    import copy
+
+    from zerolab import nb
+    runs = nb.load_run(Path(plots.__file__).parent / "reference_runs" / "lab1_memory_by_stage")
+    if allocator == "CUDA peak only":
+        runs = copy.deepcopy(runs)
+        for rows in runs.values():
+            for r in rows:
+                r["memory"]["allocator"] = {"source": "torch.cuda.max_memory_allocated",
+                                            "peak_absolute": r["memory"]["allocator"]["peak_absolute"]}
+    fig = plots.memory_by_stage(runs)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    _check_fonts(fig, "memory_by_stage")
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        assert legend is not None
+        box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert box.y1 <= area.y0 + 1, f"{ax.get_title()!r}: the legend sits on the plotting area"
+        for label in ax.get_xticklabels():
+            assert not box.overlaps(label.get_window_extent(renderer)), \
+                f"{ax.get_title()!r}: the legend covers the tick label {label.get_text()!r}"
+    plt.close(fig)

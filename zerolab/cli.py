@@ -1,9 +1,11 @@
-"""The `zerolab` command: memory | train | compare | labs.
+"""The `zerolab` command: memory | train | compare | labs | checkpoint | check | doctor.
 
     zerolab memory --params 7.5e9 --world-size 64     # the ZeRO paper's table, from the formulas
     zerolab train --stage 2 --nproc 4                  # one stage under torchrun
     zerolab compare                                    # stages 0-3 on this machine: the main job
     zerolab labs                                       # execute every lab notebook, write a report
+    zerolab check ddp --impl my_ddp.py                 # grade an exercise (zerolab.exercises)
+    zerolab doctor                                     # is this machine ready for the course?
     zerolab checkpoint consolidate DIR OUT             # sharded checkpoint -> plain GPT state dict
 
 Every subcommand checks its arguments before any process starts and exits 2 with one line
@@ -169,6 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
     labs.add_argument("--timeout", type=_positive_float, default=900, help="seconds per lab")
     labs.add_argument("--overwrite", action="store_true",
                       help="replace the labs run OUT already holds (default: refuse)")
+    labs.add_argument("--reference", action="store_true",
+                      help="plot the committed CPU reference run instead of launching ranks")
+
+    chk = sub.add_parser("check", formatter_class=HELP,
+                         help="grade your code for an exercise on gloo ranks (zerolab.exercises)")
+    chk.add_argument("exercise", nargs="?", default=None,
+                     help="shard_range, ddp, zero1, zero2 or zero3")
+    chk.add_argument("--impl", default=None, help="your .py file (or a dotted module)")
+    chk.add_argument("--nproc", type=int, default=3, help="gloo ranks, 2-4")
+    chk.add_argument("--timeout", type=float, default=90, help="seconds before the ranks are killed")
+    chk.add_argument("--list", action="store_true", help="list the exercises and their skeletons")
+
+    sub.add_parser("doctor", formatter_class=HELP,
+                   help="check this machine for the course (each line OK or the fix; < 30 s)")
 
     from .checkpoint import add_parser
     add_parser(sub)
@@ -328,7 +344,19 @@ def cmd_checkpoint(args) -> int:
 
 def cmd_labs(args) -> int:
     from .labs import run_labs
+    if args.reference:                       # papermill's kernels inherit the environment
+        os.environ["ZEROLAB_REFERENCE"] = "1"
     return run_labs(args)
+
+
+def cmd_check(args) -> int:
+    from .exercises import cli_check
+    return cli_check(args)
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import main as doctor_main
+    return doctor_main()
 
 
 def main(argv=None) -> int:
@@ -337,7 +365,7 @@ def main(argv=None) -> int:
     try:
         return {"memory": cmd_memory, "train": cmd_train, "compare": cmd_compare, "time": cmd_time,
                 "whatif": cmd_whatif, "bench": cmd_bench, "labs": cmd_labs,
-                "checkpoint": cmd_checkpoint}[args.command](args)
+                "checkpoint": cmd_checkpoint, "check": cmd_check, "doctor": cmd_doctor}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
         return 2

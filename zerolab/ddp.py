@@ -23,6 +23,16 @@ from .sharding import (GradReady, adam_state, build_units, check_all_used, check
                        set_adam_state, write_back)
 
 
+def all_reduce_bucket(comm, unit, world_size: int):
+    """Called from the gradient hook as soon as every gradient of `unit` is in `unit.grad_flat`
+    ([Ψ_u], replicated): start an async all_reduce of the bucket that leaves the *average* over
+    the ranks in it; return the Handle (backward waits for it before the step).
+    Exercise (b) of notebooks/exercises: `zerolab check ddp --impl FILE` replaces it."""
+    handle = comm.all_reduce(unit.grad_flat, what="grads", unit=unit.name, async_op=True)
+    handle.on_done = lambda: unit.grad_flat.div_(world_size)        # sum -> average
+    return handle
+
+
 class DDP:
     stage = 0
 
@@ -72,9 +82,7 @@ class DDP:
 
     def _grads_ready(self, u):
         if self.sync:
-            handle = self.comm.all_reduce(u.grad_flat, what="grads", unit=u.name, async_op=True)
-            handle.on_done = lambda: u.grad_flat.div_(self.n)          # sum -> average
-            self.inflight.append(handle)
+            self.inflight.append(all_reduce_bucket(self.comm, u, self.n))
             self._sample(f"all_reduce {u.name}")
 
     # --- step: every rank runs the same AdamW on the full state ------------------------------

@@ -48,9 +48,16 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
     Raises ValueError for bad arguments, a folder in use, or too little memory, before any process
     starts, and zerolab.launch.LaunchError (with the rank's traceback) when the run fails.
     """
+    from . import reference
     from .cli import check_launch
     from .runs import check_out_dir, start_run
     from .train import build_parser
+    if reference.active():              # a class whose launch failed: the committed CPU run
+        r0 = load_run(reference.restore(out))
+        first = r0[min(r0)][0]
+        echo(f"reference results ({first['world_size']} {first['backend']} ranks, preset "
+             f"{first.get('preset', '?')}, the reference CPU machine): no ranks launched")
+        return r0
     chosen = resolve(nproc, backend, device)
     note = auto_note(nproc, backend, device, *chosen)
     backend, device = chosen
@@ -81,6 +88,13 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
                    overwrite=overwrite, resume=train_flags.get("resume")) as run:
         run_torchrun(argv + ["--run-id", run.run_id], nproc, timeout=timeout, echo=echo)
         return load_run(out)
+
+
+def use_reference(on: bool = True):
+    """From now on `launch` returns the committed CPU reference run for its `out` folder instead
+    of starting ranks (zerolab.reference); rerun the cell whose launch failed."""
+    from . import reference
+    reference.use_reference(on)
 
 
 def launch_module(module: str, args: list[str], *, nproc: int, timeout=300, echo=print) -> str:

@@ -22,6 +22,16 @@ import torch
 ROOT = "root"
 
 
+def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s owned range [start, stop) of a flat buffer of `numel` elements padded with
+    zeros to a multiple of `world_size`: every rank owns ceil(numel / N) elements, the padded
+    buffer has N times that, and the last ranks' ranges may reach into (or lie wholly in) the
+    padding. numel >= 1, world_size >= 1, 0 <= rank < world_size (ints).
+    Exercise (a) of notebooks/exercises: `zerolab check shard_range --impl FILE` replaces it."""
+    shard = math.ceil(numel / world_size)
+    return rank * shard, (rank + 1) * shard
+
+
 class FlatUnit:
     """The trainable parameters of one unit, flattened and padded for `world_size` ranks.
 
@@ -37,9 +47,9 @@ class FlatUnit:
         self.decay = [decays(p) for p in self.params]      # parameter groups (zerolab.optim)
         self.used = [False] * len(self.params)  # got a gradient in some micro-step of this step
         self.numel = sum(p.numel() for p in self.params)
-        self.padded_numel = math.ceil(max(self.numel, 1) / world_size) * world_size
-        self.shard_numel = self.padded_numel // world_size
-        self.start = rank * self.shard_numel
+        self.start, stop = shard_range(max(self.numel, 1), world_size, rank)
+        self.shard_numel = stop - self.start
+        self.padded_numel = self.shard_numel * world_size
         self.offsets, offset = [], 0
         self.shapes = [p.shape for p in self.params]   # kept: ZeRO-3 empties params at rest
         for p in self.params:

@@ -25,6 +25,22 @@ from .sharding import (GradReady, adam_state, build_units, check_all_used, check
                        set_adam_state, write_back)
 
 
+# --- the two halves of the sharded update (exercise (c): `zerolab check zero1 --impl FILE`) ----
+def own_gradient(unit):
+    """The averaged gradient of this rank's range, as fp32 [Ψ_u/N]: what AdamW updates the master
+    shard `unit.master` with (after the backward, `unit.grad_flat` [Ψ_u] holds it)."""
+    return unit.own(unit.grad_flat).float()
+
+
+def publish_update(comm, unit):
+    """AdamW has updated `unit.master` (fp32 [Ψ_u/N], this rank's range): write it into this rank's
+    range of the bf16 weights `unit.param_flat` [Ψ_u], then start an async all_gather that brings
+    every rank's updated range to every rank; return its Handle."""
+    unit.own(unit.param_flat).copy_(unit.master)                   # fp32 -> bf16, own range
+    return comm.all_gather(unit.param_flat, unit.own(unit.param_flat), what="params",
+                           unit=unit.name, async_op=True)
+
+
 class ZeRO1:
     stage = 1
 
@@ -89,16 +105,14 @@ class ZeRO1:
     def step(self) -> torch.Tensor:
         with self.comm.phase("step"):
             used = global_used(self.units, self.comm) if self.find_unused else None
-            fp32_grads(self.units, [u.own(u.grad_flat) for u in self.units])  # [Ψ_u/N] fp32
+            fp32_grads(self.units, [own_gradient(u) for u in self.units])  # [Ψ_u/N] fp32
             self._sample("fp32 grads")
             norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm, self.comm)
             self.optimizer.step(used)
             self._sample("optimizer step")
             handles = []
             for u in self.units:
-                u.own(u.param_flat).copy_(u.master)                 # fp32 -> bf16, own range
-                handles.append(self.comm.all_gather(u.param_flat, u.own(u.param_flat),
-                                                    what="params", unit=u.name, async_op=True))
+                handles.append(publish_update(self.comm, u))        # own range, all_gather
                 u.master.grad = None
                 u.grad_flat.zero_()
                 u.used = [False] * len(u.params)

@@ -25,6 +25,25 @@ from .sharding import (GradReady, adam_state, build_units, check_all_used, check
                        optimizer_states, set_adam_state, write_back)
 
 
+def reduce_scatter_bucket(comm, unit, world_size: int):
+    """Called from the gradient hook as soon as every gradient of `unit` is in `unit.bucket`
+    ([Ψ_u] bf16, this rank's full local gradient): start an async reduce_scatter whose result,
+    averaged over the ranks, is *added* to `unit.grad_shard` ([Ψ_u/N], this rank's range; added
+    so that micro-steps accumulate); when it is done, free the bucket (`unit.bucket = None` and
+    every `p.grad = None` of `unit.params`). Return the Handle.
+    Exercise (d) of notebooks/exercises: `zerolab check zero2 --impl FILE` replaces it."""
+    out = unit.rs_out = torch.empty_like(unit.grad_shard)          # [Ψ_u/N] bf16, in flight
+    handle = comm.reduce_scatter(out, unit.bucket, what="grads", unit=unit.name, async_op=True)
+
+    def done():
+        unit.grad_shard.add_(out.div_(world_size))                 # accumulate the averaged shard
+        unit.bucket = unit.rs_out = None                           # free the full-gradient bucket
+        for p in unit.params:
+            p.grad = None
+    handle.on_done = done
+    return handle
+
+
 class ZeRO2:
     stage = 2
 
@@ -82,17 +101,8 @@ class ZeRO2:
             self._open_bucket(u)
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
-        out = u.rs_out = torch.empty_like(u.grad_shard)       # [Ψ_u/N] bf16, in flight
-        handle = self.comm.reduce_scatter(out, u.bucket, what="grads", unit=u.name,
-                                          async_op=True)
-
-        def done(u=u, out=out):
-            u.grad_shard.add_(out.div_(self.n))                # accumulate the averaged shard
-            u.bucket = u.grad_views = u.rs_out = None          # free the full-gradient bucket
-            for p in u.params:
-                p.grad = None
-        handle.on_done = done
-        self.inflight.append(handle)
+        u.grad_views = None                 # the gradients are in the bucket now
+        self.inflight.append(reduce_scatter_bucket(self.comm, u, self.n))
         self._sample(f"reduce_scatter {u.name}")
 
     # --- step: update the owned range, then all_gather every rank's range ---------------------

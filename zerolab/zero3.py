@@ -26,6 +26,21 @@ from .sharding import (GradReady, adam_state, alloc_storage, build_units, check_
                        grad_copies, on_pre_backward, optimizer_states, set_adam_state, write_back)
 
 
+# --- gather before, free after (exercise (e): `zerolab check zero3 --impl FILE` replaces them) --
+def gather_params(comm, unit):
+    """Before `unit`'s forward (and again before its backward): give `unit.param_flat` [Ψ_u] bf16
+    its storage back and all_gather every rank's `unit.param_shard` [Ψ_u/N] into it (the
+    parameters are views of param_flat, so the module then computes with full weights)."""
+    alloc_storage(unit.param_flat)
+    comm.all_gather(unit.param_flat, unit.param_shard, what="params", unit=unit.name)
+
+
+def free_params(unit):
+    """After `unit`'s forward (and after its backward): release the full buffer's memory, keeping
+    only this rank's `unit.param_shard`."""
+    free_storage(unit.param_flat)
+
+
 class ZeRO3:
     stage = 3
 
@@ -80,8 +95,7 @@ class ZeRO3:
         if u.name in self.prefetched:       # issued earlier: just wait for it
             self.prefetched.pop(u.name).wait()
         else:
-            alloc_storage(u.param_flat)
-            self.comm.all_gather(u.param_flat, u.param_shard, what="params", unit=u.name)
+            gather_params(self.comm, u)
         u.bind_params(u.param_flat)
         self._sample(f"all_gather {u.name}")
         if self.prefetch and u in self.blocks:          # depth: True = 1, k, or -1 = all
@@ -109,7 +123,7 @@ class ZeRO3:
         if self.pinned:
             return
         u.unbind_params()
-        free_storage(u.param_flat)
+        free_params(u)
         self._sample(f"free {u.name}")
 
     # --- forward: gather each block just before it runs, free it right after -----------------
