@@ -1,7 +1,21 @@
 """The committed reference results (zerolab.reference) that labs plot when a launch fails."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+
+LABS = ("lab1_memory_by_stage", "lab2_traffic_by_stage", "lab3_step_timeline", "lab4_scaling",
+        "lab5_same_training", "lab6_time_by_stage")
+
+
+def _keys():
+    from zerolab import reference
+    return sorted({str(p.parent.parent.relative_to(reference.FOLDER))
+                   for p in reference.FOLDER.glob("**/stage*/rank0.json")})
 
 
 def test_reference_runs_restore_and_equal_the_formulas(tmp_path):
@@ -9,10 +23,8 @@ def test_reference_runs_restore_and_equal_the_formulas(tmp_path):
     held and sent equal the formulas (the labs' own checks), so plots drawn from it are right."""
     from zerolab import labs, nb, reference
     from zerolab.report import load_run
-    keys = sorted({str(p.parent.parent.relative_to(reference.FOLDER))
-                   for p in reference.FOLDER.glob("**/stage0/rank0.json")})
-    assert {k.split("/")[0] for k in keys} >= {"lab1_memory_by_stage", "lab2_traffic_by_stage",
-                                               "lab3_step_timeline", "lab4_scaling"}
+    keys = _keys()
+    assert {k.split("/")[0] for k in keys} == set(LABS)
     for k in keys:
         runs = load_run(reference.restore(tmp_path / "runs" / "labs" / k))
         assert labs.check_memory(runs) > 0
@@ -23,7 +35,93 @@ def test_reference_runs_restore_and_equal_the_formulas(tmp_path):
         runs = nb.launch(stages="0,1,2,3", nproc=4, out=tmp_path / "x" / "lab1_memory_by_stage",
                          echo=printed.append)
         assert sorted(runs) == [0, 1, 2, 3] and "no ranks launched" in printed[0]
-        with pytest.raises(FileNotFoundError, match="no reference run for 'lab5_same_training/fp32'"):
-            nb.launch(out=tmp_path / "lab5_same_training" / "fp32")
+        with pytest.raises(FileNotFoundError, match="no reference run for 'lab5_same_training/fp16'"):
+            nb.launch(out=tmp_path / "lab5_same_training" / "fp16")
     finally:
         nb.use_reference(False)
+
+
+def test_lab5_reference_is_the_same_training(tmp_path):
+    """Lab 5's reference keeps, per precision, every stage's losses (rank JSONs) and each
+    parameter's largest |Δ| to DDP (param_diffs.json, not the binary params.pt): the names are
+    exactly the nano GPT's parameters, and the lab's fp32 checks hold (|Δparam| <= 1e-6,
+    |Δloss| <= 1e-5) while the stored grad norms and losses are finite and the losses fall."""
+    import torch
+
+    from zerolab import labs, nb
+    from zerolab.model import GPT, get_config
+    nb.use_reference()
+    try:
+        for prec in ("fp32", "bf16"):
+            out = tmp_path / "runs" / "lab5_same_training" / prec
+            runs = nb.launch(stages="0,1,2,3", out=out, echo=lambda line: None)
+            assert sorted(runs) == [0, 1, 2, 3]
+            cfg = get_config(runs[0][0]["preset"])
+            names = set(GPT(cfg).state_dict())
+            diffs = labs.param_diffs(out, [0, 1, 2, 3])
+            assert sorted(diffs) == [1, 2, 3]
+            base = runs[0][0]
+            for s, d in diffs.items():
+                assert set(d) == names and all(v >= 0 for v in d.values())
+                r0 = runs[s][0]
+                assert r0["precision"] == prec and len(r0["losses"]) == len(base["losses"])
+                dloss = max(abs(a - b) for a, b in zip(r0["losses"], base["losses"]))
+                if prec == "fp32":
+                    assert max(d.values()) <= 1e-6 and dloss <= 1e-5, (s, max(d.values()), dloss)
+            assert base["losses"][-1] < base["losses"][0] and all(
+                torch.isfinite(torch.tensor(base["grad_norms"])))
+        with pytest.raises(ValueError, match="compares stages"):
+            labs.param_diffs(out, [1, 2])
+    finally:
+        nb.use_reference(False)
+
+
+def test_lab6_reference_keeps_step_times_and_the_link_floor(tmp_path):
+    """Lab 6's reference holds, per emulated link, the measured step times of every rank and
+    stage (and ZeRO-3 + prefetch), rank 0's trace, and every forward all_gather of ZeRO-3 took
+    at least the α-β model's time for its bytes on that link (the lab's own check)."""
+    import json
+
+    from zerolab import costmodel, nb
+    nb.use_reference()
+    try:
+        links = sorted({k.split("/")[1] for k in _keys() if k.startswith("lab6_")})
+        assert any(k.endswith("_prefetch") for k in links) and len(links) >= 2
+        for name in links:
+            out = tmp_path / "lab6_time_by_stage" / name
+            runs = nb.launch(out=out, echo=lambda line: None)
+            prefetch = name.endswith("_prefetch")
+            assert sorted(runs) == ([3] if prefetch else [0, 1, 2, 3])
+            first = runs[min(runs)][0]
+            gbps = float(name[4:].removesuffix("_prefetch"))
+            assert first["link"]["gbps"] == gbps and runs[3][0]["zero3_prefetch"] is prefetch
+            link = costmodel.get_link(gbps=gbps, latency_us=first["link"]["latency_us"])
+            for ranks in runs.values():
+                assert all(len(r["step_times_s"]) == first["steps"] and min(r["step_times_s"]) > 0
+                           for r in ranks)
+            if prefetch:
+                events = json.loads((out / "stage3" / "trace_rank0.json").read_text())["traceEvents"]
+                assert {e["name"].split(" ")[0] for e in events} >= {"issue", "wait", "forward"}
+            else:
+                recs = [x for r in runs[3] for x in r["comm"]["records"]
+                        if x["op"] == "all_gather" and x["phase"] == "forward" and x["step"] >= 0]
+                assert recs and all(x["time_s"] >= costmodel.collective_time(
+                    "all_gather", x["size_bytes"], first["world_size"], link) for x in recs)
+    finally:
+        nb.use_reference(False)
+
+
+def test_zerolab_labs_reference_runs_labs_5_and_6(tmp_path):
+    """`zerolab labs --reference` executes the two labs that read more than rank JSONs (lab 5:
+    parameter differences, lab 6: timings and a trace) without launching, and both pass."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "MPLBACKEND": "Agg"}
+    env.pop("ZEROLAB_REFERENCE", None)
+    done = subprocess.run([sys.executable, "-m", "zerolab", "labs", "--reference", "--only",
+                           "lab5,lab6", "--out", str(tmp_path / "labs")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (tmp_path / "labs" / "report.md").read_text()
+    assert "2 of 2 labs passed" in report and "no ranks launched" in done.stdout
+    assert (tmp_path / "labs" / "lab5_same_training" / "loss_curves.png").exists()
+    assert (tmp_path / "labs" / "lab6_time_by_stage" / "time_by_stage.png").exists()

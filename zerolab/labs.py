@@ -482,6 +482,41 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+PARAM_DIFFS = "param_diffs.json"
+
+
+def param_diffs(out, stages) -> dict[int, dict[str, float]]:
+    """{stage: {parameter name: largest |Δ| of its fp32 elements against stages[0]}} for every
+    stage after the first, of the run in OUT (`zerolab.train --save-params`).
+
+    Computed from OUT/stage{S}/params.pt (`load_params`) and written to OUT/param_diffs.json, a
+    few KB, which is what the committed reference run keeps of lab 5 (zerolab.reference): in
+    reference mode it is read back from there instead (FileNotFoundError / ValueError, one line,
+    when it is missing or compares other stages)."""
+    from . import reference
+    from .runs import atomic_json
+    out, stages = Path(out), [int(s) for s in stages]
+    path = out / PARAM_DIFFS
+    if reference.active() and not (out / f"stage{stages[0]}" / "params.pt").exists():
+        if not path.exists():
+            raise FileNotFoundError(f"reference mode: no {PARAM_DIFFS} in {str(out)!r}")
+        data = json.loads(path.read_text())
+        have = [data["reference_stage"], *map(int, data["diffs"])]
+        if have[0] != stages[0] or not set(stages) <= set(have):
+            raise ValueError(f"the reference run compares stages {have} (the first is the "
+                             f"reference), not {stages}")
+        return {s: data["diffs"][str(s)] for s in stages[1:]}
+    params = {s: load_params(out, s) for s in stages}
+    base = params[stages[0]]
+    diffs = {}
+    for s in stages[1:]:
+        assert params[s].keys() == base.keys(), "the two runs hold different parameters"
+        diffs[s] = {k: float((params[s][k] - base[k]).abs().max()) for k in base}
+    atomic_json(path, {"reference_stage": stages[0], "unit": "max |delta| of fp32 elements",
+                       "diffs": {str(s): d for s, d in diffs.items()}})
+    return diffs
+
+
 # --- summaries and the `zerolab labs` report -----------------------------------------------------
 def save_summary(out, lab: str, numbers: dict, notes: list[str] | None = None) -> Path:
     """Write OUT/summary.json: the lab's key measured-vs-formula numbers for `zerolab labs`."""

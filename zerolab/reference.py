@@ -1,20 +1,27 @@
 """Reference results: a committed CPU run of every lab, so that a class can still plot when a
 launch fails (or a machine is too slow).
 
-Idea: `zerolab/reference_runs/` holds the rank JSONs (`stage{S}/rank{r}.json`, a few KB each) of
-one `zerolab labs` run on the reference machine (2 CPU cores, gloo, torch 2.13), stored under the
-path each lab launched into, from the lab's folder on (e.g. `lab2_traffic_by_stage/notes`). In
-reference mode `zerolab.nb.launch` starts no ranks: it copies the matching reference run into the
-requested `out` folder and returns it, so every later cell (tables, checks, plots) runs unchanged.
+Idea: `zerolab/reference_runs/` holds what each lab reads back from its launches, from one
+`zerolab labs` run on the reference machine (2 CPU cores, gloo, torch 2.13), stored under the path
+each lab launched into, from the lab's folder on (e.g. `lab2_traffic_by_stage/notes`): the rank
+JSONs (`stage{S}/rank{r}.json`, a few KB each; lab 6's step times are in them), lab 6's Chrome
+trace of rank 0 (`stage3/trace_rank0.json`, cut to the ranges the lab prints) and, for lab 5, the
+per-parameter differences to DDP (`param_diffs.json`, written by `labs.param_diffs`) instead of
+the binary `params.pt` files. In reference mode `zerolab.nb.launch` starts no ranks: it copies the
+matching reference run into the requested `out` folder and returns it, so every later cell
+(tables, checks, plots) runs unchanged.
 
     zerolab labs --reference                 # every lab, from the reference run
     from zerolab import nb; nb.use_reference()   # in one notebook; rerun the failed cell
 
 Reference mode is on when `use_reference()` was called in this process or the environment
 variable ZEROLAB_REFERENCE=1 is set (what `zerolab labs --reference` does for papermill).
-Regenerate with `python -m zerolab.reference RUNS_LABS_FOLDER` after `zerolab labs`.
-Not covered: lab 5, which compares parameter files (`params.pt`, binary) and needs a real
-launch; in reference mode it stops with a one-line "no reference run" error.
+Regenerate (what made the committed files, on the 2-core CPU machine):
+
+    python -m zerolab labs --out /tmp/ref            # or --only lab5,lab6 for some labs
+    python -m zerolab.reference /tmp/ref [lab5_same_training lab6_time_by_stage ...]
+
+which replaces the stored runs of the labs found in the folder (or only the named ones).
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ import sys
 from pathlib import Path
 
 FOLDER = Path(__file__).parent / "reference_runs"
-SKIP = ("lab5_same_training",)      # compares parameter files (params.pt): needs a real launch
+FILES = ("stage[0-3]/rank*.json", "stage[0-3]/trace_rank0.json", "param_diffs.json")
+TRACE_RANGES = ("issue", "wait", "forward", "backward", "step")   # what lab 6 prints of a trace
 _ON = False
 
 
@@ -54,32 +62,56 @@ def restore(out) -> Path:
     src = FOLDER / key(out)
     if not any(src.glob("stage[0-3]/rank*.json")):
         known = sorted(str(p.parent.parent.relative_to(FOLDER))
-                       for p in FOLDER.glob("**/stage0/rank0.json"))
+                       for p in FOLDER.glob("**/stage*/rank0.json"))
         raise FileNotFoundError(f"no reference run for {key(out)!r} (out={str(out)!r}); "
-                                f"reference runs: {', '.join(known) or 'none'}")
+                                f"reference runs: {', '.join(sorted(set(known))) or 'none'}")
     dst = Path(out)
-    for path in src.glob("stage[0-3]/rank*.json"):
-        target = dst / path.relative_to(src)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
+    for pattern in FILES:
+        for path in src.glob(pattern):
+            target = dst / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
     return dst
 
 
-def save(labs_out) -> int:
-    """Store every rank JSON under `labs_out` (a `zerolab labs` folder) as the reference."""
+def _trace(path: Path) -> dict:
+    """A Chrome trace cut to its complete ("X") ranges that lab 6 prints (TRACE_RANGES)."""
+    data = json.loads(path.read_text())
+    return {**data, "traceEvents": [e for e in data["traceEvents"] if e.get("ph") == "X"
+                                    and e["name"].split(" ")[0] in TRACE_RANGES]}
+
+
+def save(labs_out, labs=None) -> int:
+    """Store the rank JSONs (and lab 5's `param_diffs.json`, lab 6's rank-0 trace) under
+    `labs_out` (a `zerolab labs` folder) as the reference of each lab found there (or of the
+    named `labs` only), replacing that lab's stored run; returns the number of files stored."""
+    from . import labs as lab_helpers
     labs_out, count = Path(labs_out), 0
-    if FOLDER.exists():
-        shutil.rmtree(FOLDER)
-    for path in labs_out.glob("**/stage[0-3]/rank*.json"):
-        name = key(path.parent.parent)
-        if name.startswith(SKIP):
+    found = sorted({key(p.parent.parent).split("/")[0]
+                    for p in labs_out.glob("**/stage[0-3]/rank0.json")})
+    chosen = [lab for lab in found if not labs or lab in labs]
+    if labs and set(labs) - set(chosen):
+        raise ValueError(f"no run of {sorted(set(labs) - set(chosen))} in {str(labs_out)!r} "
+                         f"(found {found})")
+    for lab in chosen:
+        if (FOLDER / lab).exists():
+            shutil.rmtree(FOLDER / lab)
+    for run in sorted({p.parent.parent for p in labs_out.glob("**/stage[0-3]/rank0.json")}):
+        name = key(run)
+        if name.split("/")[0] not in chosen:
             continue
-        target = FOLDER / name / path.parent.name / path.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(json.loads(path.read_text()), separators=(",", ":")))
-        count += 1
+        stages = sorted(int(p.parent.name[5:]) for p in run.glob("stage[0-3]/params.pt"))
+        if len(stages) >= 2:                  # lab 5: keep the differences, not the parameters
+            lab_helpers.param_diffs(run, stages)
+        for pattern in FILES:
+            for path in run.glob(pattern):
+                data = _trace(path) if path.name.startswith("trace") else json.loads(path.read_text())
+                target = FOLDER / name / path.relative_to(run)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(json.dumps(data, separators=(",", ":")))
+                count += 1
     return count
 
 
 if __name__ == "__main__":
-    print(f"stored {save(sys.argv[1])} rank JSONs under {FOLDER}")
+    print(f"stored {save(sys.argv[1], sys.argv[2:] or None)} files under {FOLDER}")
