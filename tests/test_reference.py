@@ -35,6 +35,13 @@ def test_reference_runs_restore_and_equal_the_formulas(tmp_path):
         runs = nb.launch(stages="0,1,2,3", nproc=4, out=tmp_path / "x" / "lab1_memory_by_stage",
                          echo=printed.append)
         assert sorted(runs) == [0, 1, 2, 3] and "no ranks launched" in printed[0]
+        # the class's case: a launch failed in this folder (its manifest names that run), then
+        # reference mode and the cell rerun: the reference run is read, the failed manifest kept
+        failed = tmp_path / "y" / "lab2_traffic_by_stage" / "notes"
+        failed.mkdir(parents=True)
+        (failed / "run.json").write_text('{"run_id": "F", "command": "train", "status": "failed"}')
+        assert sorted(nb.launch(out=failed, echo=printed.append)) == [0, 1, 2, 3]
+        assert (failed / "run.F.json").exists()
         with pytest.raises(FileNotFoundError, match="no reference run for 'lab5_same_training/fp16'"):
             nb.launch(out=tmp_path / "lab5_same_training" / "fp16")
     finally:

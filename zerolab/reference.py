@@ -71,6 +71,16 @@ def restore(out) -> Path:
             target = dst / path.relative_to(src)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, target)
+    # the folder's manifest now names the reference run (else load_run would look for the files
+    # of the launch that failed there); the failed run's manifest is kept beside it
+    from .runs import MANIFEST, atomic_json, read_manifest
+    run_id = json.loads(next(src.glob("stage[0-3]/rank0.json")).read_text()).get("run_id")
+    old = read_manifest(dst)
+    if old and old["run_id"] != run_id:
+        os.replace(dst / MANIFEST, dst / f"run.{old['run_id']}.json")
+    atomic_json(dst / MANIFEST, {"run_id": run_id, "command": "reference", "status": "ok",
+                                 "source": f"zerolab/reference_runs/{key(out)}",
+                                 "replaces": (old or {}).get("run_id")})
     return dst
 
 
