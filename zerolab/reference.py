@@ -58,7 +58,10 @@ def key(out) -> str:
 
 
 def restore(out) -> Path:
-    """Copy the reference run for `out` into `out`; FileNotFoundError naming what exists."""
+    """Copy the reference run for `out` (the files FILES names) into `out` and make OUT/run.json
+    name it (a manifest already there, e.g. of the launch that failed, is kept as
+    run.<its run_id>.json); returns `out`. FileNotFoundError naming the stored runs when there is
+    none for `out`'s key."""
     src = FOLDER / key(out)
     if not any(src.glob("stage[0-3]/rank*.json")):
         known = sorted(str(p.parent.parent.relative_to(FOLDER))
