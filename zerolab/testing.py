@@ -125,7 +125,7 @@ def run_ranks(worker, world_size: int, *args, timeout: float = 120.0, preload=()
                     text = "(finished)" if codes[r] == 0 else "(no traceback: killed while waiting)"
                 report[r] = f"(exit code {codes[r]})\n{text}"
             raise RanksFailed(f"{worker.__name__} on {world_size} ranks: {why}", report)
-        return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=False)
+        return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=True)
                 for r in range(world_size)]
 
 
