@@ -14,6 +14,11 @@ in the children because pytest puts tests/ on sys.path and multiprocessing passe
 """
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from zerolab import testing
@@ -27,3 +32,16 @@ def run_ranks(worker, world_size: int, *args, timeout: float = 120.0) -> list:
         return testing.run_ranks(worker, world_size, *args, timeout=timeout, preload=["conftest"])
     except testing.RanksFailed as err:
         pytest.fail(str(err), pytrace=False)
+
+
+def run_zerolab(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    """`python -m zerolab ARGS` in its own session; the whole session is killed on timeout."""
+    proc = subprocess.Popen([sys.executable, "-m", "zerolab", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"zerolab {' '.join(args)} timed out after {timeout} s\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import _context, free_port, run_ranks
+from conftest import run_zerolab as run_cli
 from zerolab import cli
 from zerolab.checkpoint import open_checkpoint
 
@@ -71,18 +72,6 @@ def train_ranks(argv: list[str], n: int, tmp: Path, timeout: float = 90) -> tupl
 
 def rank_json(out: Path, stage: int, rank: int = 0) -> dict:
     return json.loads((out / f"stage{stage}" / f"rank{rank}.json").read_text())
-
-
-def run_cli(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([sys.executable, "-m", "zerolab", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"zerolab {' '.join(args)} timed out after {timeout} s\n{out}\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_zerolab as run_cmd
 from zerolab import cli, theory
 from zerolab.launch import LaunchError, resolve
-
-
-def run_cmd(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
-    """`python -m zerolab ARGS` in its own session; the whole session is killed on timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "zerolab", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"zerolab {' '.join(args)} timed out after {timeout} s\n{out}\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def processes_mentioning(*needles: str) -> list[str]:
