@@ -16,6 +16,7 @@ and nccl-tests' PERFORMANCE.md for the ring-algorithm byte counts and busbw fact
 from __future__ import annotations
 
 import math
+import numbers
 
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -197,7 +198,7 @@ def bucket_groups(numels, bucket_numel: float | None = None) -> list[list[int]]:
     (costmodel.merge_units), so both group the same blocks."""
     if bucket_numel is None:
         return [[i] for i in range(len(numels))]
-    if isinstance(bucket_numel, bool) or not (isinstance(bucket_numel, (int, float))
+    if isinstance(bucket_numel, bool) or not (isinstance(bucket_numel, numbers.Real)
                                               and 0 < bucket_numel < math.inf):
         raise ValueError(f"bucket_numel {bucket_numel!r} must be a finite number > 0 (elements)")
     groups, total = [], 0
