@@ -114,6 +114,85 @@ def count_traffic(system, x, y) -> tuple[float, int]:
     return total, len(counter.rows)
 
 
+# --- the memory meter's cost: `zerolab train`'s step of each stage with and without it ---------
+METER_STAGES = {"zerolab-ddp": 0, "zerolab-zero1": 1, "zerolab-zero2": 2, "zerolab-zero3": 3}
+METER_VARIANTS = ("none", "sampling")
+
+
+def meter_cost(args) -> dict | None:
+    """Every rank: for each zerolab stage, one strategy (bf16, as `zerolab train` runs it) whose
+    steps alternate, in an order rotated every round, between the meter variants: "none" (no
+    meter), "sampling" (the meter samples at every point of the step, as in a step whose memory
+    is reported). A step is train.py's: reset_peaks + sample at the start, forward, backward,
+    optimizer step; its time is the slowest rank's, after a barrier. Rank 0 returns
+    {"rows": [{"system", "variant", "median_s", "min_s", "max_s", "ratio_median",
+    "ratio_min", "ratio_max"}]} where ratio = the variant's time / "none"'s in the same round."""
+    from .memory import MemoryMeter
+    torch.set_num_threads(1)
+    comm = Comm()
+    rank, n = comm.rank, comm.world_size
+    cfg = get_config(args.preset)
+    names = [s for s in check_args(args, n) if s in METER_STAGES]
+    tokens, _ = load_tokens(None, cfg.block_size)
+    built = {}
+    for name in names:
+        torch.manual_seed(args.seed)
+        model = GPT(cfg).to(torch.bfloat16)
+        meter = MemoryMeter()
+        built[name] = (STRATEGIES[METER_STAGES[name]](model, comm, max_grad_norm=1.0, lr=args.lr,
+                                                      weight_decay=0.1, meter=meter), meter)
+    times = {(s, v): [] for s in names for v in METER_VARIANTS}
+    for r in range(args.warmup + args.rounds):
+        x, y = get_batch(tokens, r, args.batch_size, cfg.block_size, args.seed)
+        x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
+        for name in names:
+            strategy, meter = built[name]
+            k = r % len(METER_VARIANTS)
+            for variant in METER_VARIANTS[k:] + METER_VARIANTS[:k]:
+                strategy.meter = None if variant == "none" else meter
+                dist.barrier()
+                t0 = time.perf_counter()
+                if strategy.meter is not None:              # train.py's step start
+                    meter.reset_peaks()
+                    meter.sample(strategy, "step start")
+                strategy.backward(strategy.forward(x, y))
+                strategy.step()
+                if r >= args.warmup:
+                    times[name, variant].append(time.perf_counter() - t0)
+    gathered = [None] * n
+    dist.all_gather_object(gathered, times)
+    if rank != 0:
+        return None
+    rows = []
+    for name in names:
+        slowest = {v: [max(g[name, v][i] for g in gathered) for i in range(args.rounds)]
+                   for v in METER_VARIANTS}
+        for v in METER_VARIANTS:
+            ratios = [a / b for a, b in zip(slowest[v], slowest["none"])]
+            rows.append({"system": name, "variant": v, "median_s": statistics.median(slowest[v]),
+                         "min_s": min(slowest[v]), "max_s": max(slowest[v]), "times_s": slowest[v],
+                         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+                         "ratio_max": max(ratios)})
+    return {"preset": args.preset, "world_size": n, "rounds": args.rounds, "warmup": args.warmup,
+            "batch_size": args.batch_size, "precision": "bf16", "backend": dist.get_backend(),
+            "rows": rows}
+
+
+def format_meter_cost(summary: dict) -> str:
+    """The meter-cost table: per stage and variant, median ms, spread, time / no meter."""
+    lines = [f"memory meter cost: {summary['preset']} GPT, {summary['world_size']} ranks, "
+             f"{summary['backend']}, {summary['precision']}, {summary['rounds']} rounds (median, "
+             "min-max of the slowest rank; ratio to the same round's step without a meter)",
+             f"{'system':<16}{'meter':<10}{'median ms':>10}{'min-max ms':>14}"
+             f"{'x no meter':>12}{'min-max':>14}"]
+    for r in summary["rows"]:
+        spread = f"{r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}"
+        ratios = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
+        lines.append(f"{r['system']:<16}{r['variant']:<10}{r['median_s'] * 1e3:>10.1f}{spread:>14}"
+                     f"{r['ratio_median']:>12.3f}{ratios:>14}")
+    return "\n".join(lines)
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="zerolab.bench", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small", help=f"model size: {', '.join(PRESETS)}")
@@ -126,6 +205,8 @@ def build_parser():
     p.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
     p.add_argument("--link-latency-us", type=float, default=None)
     p.add_argument("--out", default="runs/bench")
+    p.add_argument("--meter-cost", action="store_true", help="instead: time zerolab train's step "
+                   "of each zerolab stage with and without the memory meter (OUT/meter_cost.json)")
     return p
 
 
@@ -230,13 +311,14 @@ def main(argv=None) -> int:
         return 2
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
-        summary = run(args)
+        summary = meter_cost(args) if args.meter_cost else run(args)
         if summary is not None:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "bench.json").write_text(json.dumps(summary, indent=1))
-            print(format_table(summary), flush=True)
-            print(f"wrote {out.resolve() / 'bench.json'}", flush=True)
+            name = "meter_cost.json" if args.meter_cost else "bench.json"
+            (out / name).write_text(json.dumps(summary, indent=1))
+            print((format_meter_cost if args.meter_cost else format_table)(summary), flush=True)
+            print(f"wrote {out.resolve() / name}", flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
