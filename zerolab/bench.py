@@ -119,14 +119,34 @@ METER_STAGES = {"zerolab-ddp": 0, "zerolab-zero1": 1, "zerolab-zero2": 2, "zerol
 METER_VARIANTS = ("none", "sampling")
 
 
+class _TimedMeter:
+    """Wraps a MemoryMeter: counts `sample` calls and the seconds spent inside them."""
+
+    def __init__(self, meter):
+        self.meter, self.calls, self.seconds = meter, 0, 0.0
+
+    def sample(self, strategy, tag=""):
+        t0 = time.perf_counter()
+        self.meter.sample(strategy, tag)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+
+    def __getattr__(self, name):
+        return getattr(self.meter, name)
+
+
 def meter_cost(args) -> dict | None:
     """Every rank: for each zerolab stage, one strategy (bf16, as `zerolab train` runs it) whose
-    steps alternate, in an order rotated every round, between the meter variants: "none" (no
-    meter), "sampling" (the meter samples at every point of the step, as in a step whose memory
-    is reported). A step is train.py's: reset_peaks + sample at the start, forward, backward,
-    optimizer step; its time is the slowest rank's, after a barrier. Rank 0 returns
-    {"rows": [{"system", "variant", "median_s", "min_s", "max_s", "ratio_median",
-    "ratio_min", "ratio_max"}]} where ratio = the variant's time / "none"'s in the same round."""
+    steps alternate, in an order rotated every round, between the meter variants of
+    METER_VARIANTS: "none" (no meter), "sampling" (the meter samples at every point of the step,
+    as in a step whose memory is reported). A step is train.py's: reset_peaks + sample at the
+    start, forward, backward, optimizer step; its time is the slowest rank's, after a barrier.
+    Two measures of the meter's cost: the seconds spent inside `MemoryMeter.sample` in a step
+    (the slowest rank's; against the median step without a meter), and the A/B ratio of a
+    step's time to the same round's step without a meter (noisy on a shared machine). Rank 0
+    returns {"rows": [{"system", "variant", "median_s", "min_s", "max_s", "times_s",
+    "ratio_median", "ratio_min", "ratio_max", "meter_s", "meter_min_s", "meter_max_s",
+    "samples_per_step", "meter_share"}], ...}; meter_share = meter_s / "none"'s median_s."""
     from .memory import MemoryMeter
     torch.set_num_threads(1)
     comm = Comm()
@@ -138,10 +158,11 @@ def meter_cost(args) -> dict | None:
     for name in names:
         torch.manual_seed(args.seed)
         model = GPT(cfg).to(torch.bfloat16)
-        meter = MemoryMeter()
+        meter = _TimedMeter(MemoryMeter())
         built[name] = (STRATEGIES[METER_STAGES[name]](model, comm, max_grad_norm=1.0, lr=args.lr,
                                                       weight_decay=0.1, meter=meter), meter)
     times = {(s, v): [] for s in names for v in METER_VARIANTS}
+    inside = {(s, v): [] for s in names for v in METER_VARIANTS}    # (seconds, calls) per step
     for r in range(args.warmup + args.rounds):
         x, y = get_batch(tokens, r, args.batch_size, cfg.block_size, args.seed)
         x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
@@ -150,6 +171,7 @@ def meter_cost(args) -> dict | None:
             k = r % len(METER_VARIANTS)
             for variant in METER_VARIANTS[k:] + METER_VARIANTS[:k]:
                 strategy.meter = None if variant == "none" else meter
+                meter.seconds, meter.calls = 0.0, 0
                 dist.barrier()
                 t0 = time.perf_counter()
                 if strategy.meter is not None:              # train.py's step start
@@ -159,37 +181,46 @@ def meter_cost(args) -> dict | None:
                 strategy.step()
                 if r >= args.warmup:
                     times[name, variant].append(time.perf_counter() - t0)
+                    inside[name, variant].append((meter.seconds, meter.calls))
     gathered = [None] * n
-    dist.all_gather_object(gathered, times)
+    dist.all_gather_object(gathered, (times, inside))
     if rank != 0:
         return None
     rows = []
     for name in names:
-        slowest = {v: [max(g[name, v][i] for g in gathered) for i in range(args.rounds)]
+        slowest = {v: [max(g[0][name, v][i] for g in gathered) for i in range(args.rounds)]
                    for v in METER_VARIANTS}
+        base = statistics.median(slowest["none"])
         for v in METER_VARIANTS:
             ratios = [a / b for a, b in zip(slowest[v], slowest["none"])]
+            meter_s = [max(g[1][name, v][i][0] for g in gathered) for i in range(args.rounds)]
             rows.append({"system": name, "variant": v, "median_s": statistics.median(slowest[v]),
                          "min_s": min(slowest[v]), "max_s": max(slowest[v]), "times_s": slowest[v],
                          "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-                         "ratio_max": max(ratios)})
+                         "ratio_max": max(ratios), "meter_s": statistics.median(meter_s),
+                         "meter_min_s": min(meter_s), "meter_max_s": max(meter_s),
+                         "samples_per_step": gathered[0][1][name, v][0][1],
+                         "meter_share": statistics.median(meter_s) / base})
     return {"preset": args.preset, "world_size": n, "rounds": args.rounds, "warmup": args.warmup,
             "batch_size": args.batch_size, "precision": "bf16", "backend": dist.get_backend(),
             "rows": rows}
 
 
 def format_meter_cost(summary: dict) -> str:
-    """The meter-cost table: per stage and variant, median ms, spread, time / no meter."""
+    """The meter-cost table: per stage and variant, the step's median ms and spread, its ratio to
+    the step without a meter, and the ms spent inside MemoryMeter.sample (and its % of a step)."""
     lines = [f"memory meter cost: {summary['preset']} GPT, {summary['world_size']} ranks, "
              f"{summary['backend']}, {summary['precision']}, {summary['rounds']} rounds (median, "
-             "min-max of the slowest rank; ratio to the same round's step without a meter)",
-             f"{'system':<16}{'meter':<10}{'median ms':>10}{'min-max ms':>14}"
-             f"{'x no meter':>12}{'min-max':>14}"]
+             "min-max of the slowest rank)",
+             f"{'system':<16}{'meter':<10}{'step ms':>9}{'min-max':>11}{'x no meter':>11}"
+             f"{'min-max':>13}{'samples':>9}{'in meter ms':>13}{'min-max':>13}{'% of step':>10}"]
     for r in summary["rows"]:
         spread = f"{r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}"
-        ratios = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
-        lines.append(f"{r['system']:<16}{r['variant']:<10}{r['median_s'] * 1e3:>10.1f}{spread:>14}"
-                     f"{r['ratio_median']:>12.3f}{ratios:>14}")
+        ratios = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+        inside = f"{r['meter_min_s'] * 1e3:.2f}-{r['meter_max_s'] * 1e3:.2f}"
+        lines.append(f"{r['system']:<16}{r['variant']:<10}{r['median_s'] * 1e3:>9.1f}{spread:>11}"
+                     f"{r['ratio_median']:>11.3f}{ratios:>13}{r['samples_per_step']:>9}"
+                     f"{r['meter_s'] * 1e3:>13.3f}{inside:>13}{r['meter_share'] * 100:>9.2f}%")
     return "\n".join(lines)
 
 
