@@ -32,6 +32,7 @@ import torch.distributed as dist
 from . import STRATEGIES, linkemu, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
+from .memory import MemoryMeter
 from .model import GPT, PRESETS, get_config
 from .sharding import storage_bytes
 
@@ -116,38 +117,37 @@ def count_traffic(system, x, y) -> tuple[float, int]:
 
 # --- the memory meter's cost: `zerolab train`'s step of each stage with and without it ---------
 METER_STAGES = {"zerolab-ddp": 0, "zerolab-zero1": 1, "zerolab-zero2": 2, "zerolab-zero3": 3}
-METER_VARIANTS = ("none", "sampling")
+METER_VARIANTS = ("none", "idle", "sampling")
 
 
-class _TimedMeter:
-    """Wraps a MemoryMeter: counts `sample` calls and the seconds spent inside them."""
+class _TimedMeter(MemoryMeter):
+    """A MemoryMeter that counts `sample` calls and the seconds spent inside them."""
 
-    def __init__(self, meter):
-        self.meter, self.calls, self.seconds = meter, 0, 0.0
+    def __init__(self):
+        super().__init__()
+        self.calls, self.seconds = 0, 0.0
 
     def sample(self, strategy, tag=""):
         t0 = time.perf_counter()
-        self.meter.sample(strategy, tag)
+        super().sample(strategy, tag)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
-
-    def __getattr__(self, name):
-        return getattr(self.meter, name)
 
 
 def meter_cost(args) -> dict | None:
     """Every rank: for each zerolab stage, one strategy (bf16, as `zerolab train` runs it) whose
     steps alternate, in an order rotated every round, between the meter variants of
-    METER_VARIANTS: "none" (no meter), "sampling" (the meter samples at every point of the step,
-    as in a step whose memory is reported). A step is train.py's: reset_peaks + sample at the
-    start, forward, backward, optimizer step; its time is the slowest rank's, after a barrier.
+    METER_VARIANTS: "none" (no meter), "idle" (a meter with enabled = False, as `zerolab train`
+    runs every step but the last), "sampling" (the meter samples at every point of the step, as
+    in the last step, whose memory is reported; before the meter could be idle, every step).
+    A step is train.py's: reset_peaks + sample at the start, forward, backward, optimizer step;
+    its time is the slowest rank's, after a barrier.
     Two measures of the meter's cost: the seconds spent inside `MemoryMeter.sample` in a step
     (the slowest rank's; against the median step without a meter), and the A/B ratio of a
     step's time to the same round's step without a meter (noisy on a shared machine). Rank 0
     returns {"rows": [{"system", "variant", "median_s", "min_s", "max_s", "times_s",
     "ratio_median", "ratio_min", "ratio_max", "meter_s", "meter_min_s", "meter_max_s",
     "samples_per_step", "meter_share"}], ...}; meter_share = meter_s / "none"'s median_s."""
-    from .memory import MemoryMeter
     torch.set_num_threads(1)
     comm = Comm()
     rank, n = comm.rank, comm.world_size
@@ -158,7 +158,7 @@ def meter_cost(args) -> dict | None:
     for name in names:
         torch.manual_seed(args.seed)
         model = GPT(cfg).to(torch.bfloat16)
-        meter = _TimedMeter(MemoryMeter())
+        meter = _TimedMeter()
         built[name] = (STRATEGIES[METER_STAGES[name]](model, comm, max_grad_norm=1.0, lr=args.lr,
                                                       weight_decay=0.1, meter=meter), meter)
     times = {(s, v): [] for s in names for v in METER_VARIANTS}
@@ -171,6 +171,7 @@ def meter_cost(args) -> dict | None:
             k = r % len(METER_VARIANTS)
             for variant in METER_VARIANTS[k:] + METER_VARIANTS[:k]:
                 strategy.meter = None if variant == "none" else meter
+                meter.enabled = variant == "sampling"
                 meter.seconds, meter.calls = 0.0, 0
                 dist.barrier()
                 t0 = time.perf_counter()
