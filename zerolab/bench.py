@@ -7,11 +7,16 @@ FSDP2 `fully_shard` with reshard_after_forward True (ZeRO-3-like) and False (ZeR
 round runs one optimizer step of every system, in an order rotated each round so that no system
 always follows the same neighbour; a barrier precedes each timed step; a step's time is the
 slowest rank's. Reported: median step time, spread (min-max over rounds), ratios to torch DDP
-and to FSDP2, model-state bytes per rank between steps, and bytes and collectives per step
-counted for every system by one TorchDispatchMode that sees c10d ops (demos/fsdp.py's counter,
-in one extra untimed step).
+and to FSDP2, model-state bytes per rank between steps, the peak bytes per rank during a step
+(MemTracker over one extra untimed step of every system, the same way for each: the states held
+before it plus activations, gradients, buckets, gathered weights and temporaries; the largest
+over ranks), and bytes and collectives per step counted for every system by one
+TorchDispatchMode that sees c10d ops (demos/fsdp.py's counter, in one extra untimed step).
+`--meter-cost` instead times `zerolab train`'s step of each zerolab stage with the memory meter
+sampling, idle and absent (`meter_cost`).
 
     python -m zerolab bench --nproc 2 --preset small --rounds 7
+    python -m zerolab bench --preset small --meter-cost --rounds 21
 
 All systems run fp32 on CPU (torch DDP's bf16 mixed precision needs CUDA events). With
 --link-gbps only zerolab's systems run: the emulator sits in zerolab's Comm, torch's collectives
@@ -100,6 +105,24 @@ class System:
         states = [_local(v) for s in opt.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]
         return storage_bytes(params) + storage_bytes(grads) + storage_bytes(states)
+
+    def held(self) -> tuple:
+        """What this system holds between steps, for MemTracker's `track_external`: the model,
+        the optimizer (and ZeroRedundancyOptimizer's local one), zerolab's flat buffers."""
+        if self.strategy is not None:
+            return (self.model, self.strategy.optimizer,
+                    *(t for ts in self.strategy.state_tensors().values() for t in ts if t is not None))
+        return (self.model, self.optimizer, getattr(self.optimizer, "optim", None))
+
+
+def peak_bytes(system, x, y) -> int:
+    """Peak bytes this rank holds during one step of `system`, seen by MemTracker
+    (memory.allocator_peak): the states held before the step plus every tensor the step allocates
+    (activations, gradients, buckets, gathered weights, optimizer temporaries). The same
+    measurement for zerolab and torch; CPU tensors only."""
+    from .memory import allocator_peak
+    return allocator_peak(lambda: system.step(x, y), torch.device("cpu"),
+                          external=system.held())["peak_absolute"]
 
 
 def count_traffic(system, x, y) -> tuple[float, int]:
@@ -291,16 +314,20 @@ def run(args) -> dict | None:
     x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
     traffic = {s.name: count_traffic(s, x, y) for s in systems}
     memory = {s.name: s.state_bytes() for s in systems}
+    peaks = {s.name: peak_bytes(s, x, y) for s in systems}
     gathered = [None] * n
-    dist.all_gather_object(gathered, times)
+    dist.all_gather_object(gathered, (times, peaks))
     if rank != 0:
         return None
     rows = []
     for s in systems:
-        slowest = [max(g[s.name][i] for g in gathered) for i in range(args.rounds)]
+        slowest = [max(g[0][s.name][i] for g in gathered) for i in range(args.rounds)]
         rows.append({"system": s.name, "median_s": statistics.median(slowest),
                      "min_s": min(slowest), "max_s": max(slowest), "times_s": slowest,
-                     "state_bytes": memory[s.name], "bytes_per_step": traffic[s.name][0],
+                     "state_bytes": memory[s.name],
+                     "peak_bytes": max(g[1][s.name] for g in gathered),
+                     "peak_bytes_by_rank": [g[1][s.name] for g in gathered],
+                     "bytes_per_step": traffic[s.name][0],
                      "collectives_per_step": traffic[s.name][1]})
     ref = {r["system"]: r["median_s"] for r in rows}
     for row in rows:
@@ -320,13 +347,14 @@ def format_table(summary: dict) -> str:
              f"{summary['rounds']} rounds (median, min-max of the slowest rank)"
              + (f", emulated link {link['gbps']} Gb/s + {link['latency_us']} us" if link else ""),
              f"{'system':<24}{'median ms':>10}{'min-max ms':>16}{'x torch DDP':>12}{'x FSDP2':>9}"
-             f"{'states MB':>11}{'moved MB':>10}{'colls':>7}"]
+             f"{'states MB':>11}{'peak MB':>9}{'moved MB':>10}{'colls':>7}"]
     for r in summary["rows"]:
         ratio = (lambda v: f"{v:.2f}" if v is not None else "-")
         spread = f"{r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}"
         lines.append(f"{r['system']:<24}{r['median_s'] * 1e3:>10.1f}{spread:>16}"
                      f"{ratio(r['vs_torch_ddp']):>12}{ratio(r['vs_fsdp2']):>9}"
-                     f"{r['state_bytes'] / 1e6:>11.2f}{r['bytes_per_step'] / 1e6:>10.2f}"
+                     f"{r['state_bytes'] / 1e6:>11.2f}{r['peak_bytes'] / 1e6:>9.2f}"
+                     f"{r['bytes_per_step'] / 1e6:>10.2f}"
                      f"{r['collectives_per_step']:>7}")
     return "\n".join(lines)
 
