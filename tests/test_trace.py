@@ -13,8 +13,6 @@ import json
 import pytest
 import torch
 from conftest import run_zerolab
-from torch.profiler import ProfilerActivity, profile
-
 from zerolab import costmodel, trace
 from zerolab.comm import Record
 from zerolab.model import GPT, get_config
@@ -125,12 +123,11 @@ def test_unit_ranges_agree_with_the_profilers_backward_links(tmp_path):
     ranges = trace.UnitRanges(model.zero_units())
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
     path = tmp_path / "t.json"
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with trace.chrome_trace(path, torch.device("cpu")):
         with trace.phase("forward"):
             loss = model(x, x)
         with trace.phase("backward"):
             loss.backward()
-    prof.export_chrome_trace(str(path))
     ranges.remove()
     blocks = [s for s in trace.spans(path) if s.kind == "block"]
     assert [(s.phase, s.unit) for s in blocks] == [
@@ -155,10 +152,23 @@ def test_unit_ranges_agree_with_the_profilers_backward_links(tmp_path):
             assert inside(e, s), (e["name"], owner[seq])
             checked += 1
     assert checked >= 3 * 15                    # every block's ~20 backward ops
+    # every thread's ranges nest (what a trace viewer needs to draw one track per thread): the
+    # block ranges, which overlap autograd's evaluate_function ranges, are on their own track
+    by_thread = {}
+    for e in events:
+        by_thread.setdefault(e["tid"], []).append(e)
+    assert {s.thread for s in blocks} == {trace.BLOCK_TID} and len(by_thread) >= 2
+    for tid, es in by_thread.items():
+        stack = []
+        for e in sorted(es, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            assert not stack or e["ts"] + e["dur"] <= stack[-1]["ts"] + stack[-1]["dur"] + 1e-3, \
+                (tid, stack[-1]["name"], e["name"])
+            stack.append(e)
     # removed: a later profiled pass has no block ranges
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with trace.chrome_trace(path, torch.device("cpu")):
         model(x, x).backward()
-    prof.export_chrome_trace(str(path))
     assert not [s for s in trace.spans(path) if s.kind == "block"]
 
 

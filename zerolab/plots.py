@@ -287,7 +287,7 @@ def step_trace(out, stages=(2, 3), ranks=None):
     from matplotlib.patches import Patch
     from . import trace
     out = Path(out)
-    stages = [s for s in stages]
+    stages = list(stages)
     fig, axes = plt.subplots(len(stages), 1, figsize=(15, 0.6 + 2.3 * len(stages)), squeeze=False)
     drawn_ops, meta = set(), {}
     for ax, stage in zip(axes[:, 0], stages):
