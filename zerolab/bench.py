@@ -102,7 +102,16 @@ class System:
 
 
 def count_traffic(system, x, y) -> tuple[float, int]:
-    """(per-rank ring bytes, collectives) of one step, seen by a c10d dispatch counter."""
+    """(per-rank ring bytes, collectives) of one step: torch's systems seen by a c10d dispatch
+    counter, zerolab's from its ledger (logical ring bytes: on gloo zerolab issues a
+    reduce_scatter as an in-place all_reduce plus a slice, which the counter would count as an
+    all_reduce; gloo's own reduce_scatter, which FSDP2 uses, is the same all_reduce underneath)."""
+    if system.strategy is not None:
+        comm = system.strategy.comm
+        first = len(comm.records)
+        system.step(x, y)
+        rows = comm.records[first:]
+        return sum(r.bytes for r in rows), len(rows)
     from .demos.fsdp import CollectiveCounter
     with CollectiveCounter() as counter:
         system.step(x, y)
