@@ -109,3 +109,65 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_sum():
                         for r in range(n))
             want = total[rank * (numel // n):(rank + 1) * (numel // n)].to(dtype)
             assert torch.equal(chunk, want) and torch.equal(inplace, want)
+
+
+class _FakeCudaTensor:
+    """Stands in for a CUDA tensor (this machine has none): the sizes Comm reads, is_cuda."""
+    is_cuda, dtype = True, "torch.bfloat16"
+
+    def __init__(self, numel):
+        self._numel = numel
+
+    def numel(self):
+        return self._numel
+
+    def element_size(self):
+        return 2
+
+
+class _FakeNcclWork:
+    """A ProcessGroupNCCL Work with timing on: completes after `polls` is_completed() calls;
+    `_get_duration()` (ms, from NCCL's CUDA events) is only legal once complete."""
+
+    def __init__(self, ms, polls=2):
+        self.ms, self.polls = ms, polls
+
+    def wait(self):                 # on NCCL: orders the current stream, never blocks the host
+        pass
+
+    def is_completed(self):
+        self.polls -= 1
+        return self.polls < 0
+
+    def _get_duration(self):
+        assert self.polls < 0, "duration read before the op completed"
+        return self.ms
+
+
+def test_cuda_path_synchronises_the_host_once_per_step_not_per_collective(monkeypatch):
+    """Issue #8: "on CUDA no host synchronisation per collective (record events, read times
+    after the step)". The reference is a count of torch.cuda.synchronize calls: a step of 12
+    async collectives, each waited for, must make none; settle() at the end of the step one."""
+    import torch
+
+    from zerolab import comm as comm_mod
+    syncs = []
+    works = [_FakeNcclWork(ms=1.0 + i) for i in range(12)]
+
+    def synchronize(*_, **__):              # the device has finished everything issued
+        syncs.append(1)
+        for w in works:
+            w.polls = -1
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    c = object.__new__(comm_mod.Comm)       # no process group: the host-side logic only
+    c.group, c.rank, c.world_size, c.backend = None, 0, 8, "nccl"
+    c.records, c.step, c.current_phase, c._pending, c.link = [], 0, "backward", [], None
+    handles = [c._issue("all_gather" if i % 2 else "reduce_scatter", _FakeCudaTensor(1 << 20),
+                        "grads", f"block.{i}", True, lambda w=w: w) for i, w in enumerate(works)]
+    for h in handles:
+        h.wait()
+    assert syncs == []                      # no host synchronisation per collective
+    c.settle()                              # once per step, after the step's work
+    assert syncs == [1]
+    assert [r.time_s for r in c.records] == pytest.approx([(1.0 + i) / 1e3 for i in range(12)])
+    assert {r.time_source for r in c.records} == {"nccl"}
