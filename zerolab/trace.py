@@ -8,7 +8,7 @@ https://ui.perfetto.dev or chrome://tracing: the forward / backward / step range
 inside them and the waits for communication lie side by side; with the link emulator
 (`--link-gbps`) the waits show the time on the wire that compute did not hide.
 
-    python -m zerolab train --stage 3 --zero3-prefetch --preset tiny --trace --link-gbps 1
+    python -m zerolab train --stage 3 --preset tiny --trace --link-gbps 1
 
 With `--trace` each block's compute is named too ("forward block.3", "backward block.3":
 `UnitRanges`), and the file carries zerolab's own metadata (run, stage, rank, step, and which

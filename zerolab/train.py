@@ -35,6 +35,7 @@ from .memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memo
 from .model import GPT, PRESETS, get_config, num_params
 from .preflight import check_finite, check_seed
 from .report import compare_rows, format_rows
+from .zero3 import DEFAULT_PREFETCH
 from .runs import atomic_json, atomic_path
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -66,10 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="allow parameters that get no gradient in a step (torch DDP's flag)")
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
-    p.add_argument("--zero3-prefetch", action="store_true",
-                   help="ZeRO-3: gather the next block while the current one computes")
+    p.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="ZeRO-3: gather the next block while the current one computes (the "
+                   "default); --no-zero3-prefetch: one block at a time, the notes' picture")
     p.add_argument("--zero3-prefetch-depth", type=int, default=None,
-                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all); overrides --zero3-prefetch")
+                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all; default "
+                   f"{DEFAULT_PREFETCH}); overrides --zero3-prefetch")
     p.add_argument("--zero3-keep-root", action="store_true",
                    help="ZeRO-3: keep the root unit gathered from forward into backward")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -178,6 +181,16 @@ def held_tensors(model, strategy) -> tuple:
                                          for t in ts if t is not None))
 
 
+def zero3_prefetch_depth(args) -> int:
+    """ZeRO-3's blocks gathered ahead: --zero3-prefetch-depth if given, else 1 for
+    --zero3-prefetch, 0 for --no-zero3-prefetch, else zero3.DEFAULT_PREFETCH."""
+    depth = getattr(args, "zero3_prefetch_depth", None)
+    if depth is not None:
+        return depth
+    flag = getattr(args, "zero3_prefetch", None)
+    return DEFAULT_PREFETCH if flag is None else int(flag)
+
+
 def make_strategy(stage, model, comm, args, meter):
     kwargs = dict(max_grad_norm=args.max_grad_norm, meter=meter, lr=args.lr,
                   weight_decay=args.weight_decay,
@@ -186,8 +199,7 @@ def make_strategy(stage, model, comm, args, meter):
     if stage == 1:
         kwargs["grad_op"] = args.zero1_grad_op
     if stage == 3:
-        depth = getattr(args, "zero3_prefetch_depth", None)
-        kwargs["prefetch"] = args.zero3_prefetch if depth is None else depth
+        kwargs["prefetch"] = zero3_prefetch_depth(args)
         kwargs["keep_root"] = getattr(args, "zero3_keep_root", False)
     return STRATEGIES[stage](model, comm, **kwargs)
 
@@ -341,8 +353,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "grad_dtype": gd or args.precision,
         "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
-        "zero3_prefetch": (args.zero3_prefetch if args.zero3_prefetch_depth is None
-                           else args.zero3_prefetch_depth) if stage == 3 else None,
+        "zero3_prefetch": zero3_prefetch_depth(args) if stage == 3 else None,
         "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
         "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
                  if args.link_gbps is not None else None),
