@@ -236,6 +236,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
     meter = MemoryMeter()
     comm.records.clear()
     strategy = make_strategy(stage, model, comm, args, meter)
+    unit_ranges = trace.UnitRanges(model.zero_units()) if args.trace else None   # after the strategy
     psi_padded = sum(u.padded_numel for u in strategy.units)
     start, history, saved = 0, [], []
     if ckpt is not None:
@@ -271,7 +272,8 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
                                         tag={"run_id": args.run_id, "stage": stage, "rank": rank})
                     if last and args.cuda_snapshot and device.type == "cuda" else contextlib.nullcontext())
         profiler = trace.chrome_trace(Path(args.out) / f"stage{stage}" / f"trace_rank{rank}.json",
-                                      device, enabled=args.trace and step == trace_step)
+                                      device, enabled=args.trace and step == trace_step, comm=comm,
+                                      run_id=args.run_id, stage=stage, rank=rank, step=step)
         with snapshot, profiler:
             if last and not args.no_allocator:
                 result = {}
@@ -341,6 +343,8 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
     ledger = comm.to_json()
     finish_stage(strategy)
+    if unit_ranges is not None:
+        unit_ranges.remove()
     return {
         "run_id": args.run_id, "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank,
         "world_size": n, "params_sha256": params_sha256,
