@@ -243,10 +243,12 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         checkpoint.load(strategy, model, ckpt, DTYPES[args.precision])
         start, history = ckpt.step, list(ckpt.meta.get("losses", []))[:ckpt.step]
 
-    def one_step(step):
+    def one_step(step, next_forward=None):
         x, y = get_batch(train_tokens, step, args.batch_size, cfg.block_size, args.seed)
         total = torch.zeros((), dtype=torch.float32, device=device)   # stays on the device:
         for micro in range(A):                                           # no host sync per micro-step
+            if micro and next_forward is not None:
+                next_forward()              # the allocator cross-check: a new forward (memory.py)
             xm, ym = (rank_slice(t, rank, n, micro, A).to(device) for t in (x, y))
             with trace.phase("forward"):
                 loss = strategy.forward(xm, ym)
@@ -279,8 +281,9 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
                 result = {}
                 held = [t for cat, ts in strategy.state_tensors().items()     # the optimizer
                         if cat not in ("exp_avg", "exp_avg_sq") for t in ts if t is not None]
-                allocator = allocator_peak(lambda: result.update(out=one_step(step)), device,
-                                           external=(model, strategy.optimizer, *held))
+                allocator = allocator_peak(lambda nxt: result.update(out=one_step(step, nxt)),
+                                           device, external=(model, strategy.optimizer, *held),
+                                           micro_steps=True)
                 local, norm = result["out"]
             else:
                 local, norm = one_step(step)
