@@ -1,10 +1,12 @@
-"""`zerolab bench` runs end to end (nano, 2 ranks, one round) and its byte counts, taken by a
-c10d dispatch counter independent of zerolab's ledger, equal the ring formulas: zerolab DDP and
-torch DDP each all-reduce every fp32 gradient once, 2(n-1)/n · 4Ψ; FSDP2 with resharding moves
-3(n-1)/n · 4Ψ up to its own padding. Its peak column (MemTracker over one step, the same for every
-system) holds at least the states held between steps, and sharding lowers it: zerolab ZeRO-3 below
-zerolab DDP, FSDP2 (reshard) below torch DDP. Speed targets (and the memory meter's cost,
-`--meter-cost`) live in the benchmark's printout, not here."""
+"""`zerolab bench` runs end to end (nano, 2 ranks, one round) and its byte counts equal the ring
+formulas: torch's systems counted by a c10d dispatch counter, zerolab's by its ledger (on gloo a
+zerolab reduce_scatter is an in-place all_reduce plus a slice: the counter would see 2x the
+logical bytes). zerolab DDP and torch DDP each all-reduce every fp32 gradient once, 2(n-1)/n · 4Ψ,
+and so does ZeRO-2 with reduce_scatter + all_gather (plus the 4-byte gradient-norm all_reduce);
+FSDP2 with resharding moves 3(n-1)/n · 4Ψ up to its own padding. Its peak column (MemTracker over
+one step, the same for every system) holds at least the states held between steps, and sharding
+lowers it: zerolab ZeRO-3 below zerolab DDP, FSDP2 (reshard) below torch DDP. Speed targets (and
+the memory meter's cost, `--meter-cost`) live in the benchmark's printout, not here."""
 from __future__ import annotations
 
 import json
@@ -16,7 +18,7 @@ import pytest
 from zerolab import theory
 from zerolab.model import GPT, get_config, num_params
 
-SYSTEMS = "zerolab-ddp,zerolab-zero3,torch-ddp,fsdp2-reshard"
+SYSTEMS = "zerolab-ddp,zerolab-zero2,zerolab-zero3,torch-ddp,fsdp2-reshard"
 
 
 def _bench(out, *extra):
@@ -41,6 +43,8 @@ def test_bench_runs_and_counts_bytes(bench_nano):
     ddp = sum(theory.traffic_bytes(psi, 2, 0, "fp32").values())
     assert rows["zerolab-ddp"]["bytes_per_step"] == pytest.approx(ddp, rel=1e-12)
     assert rows["torch-ddp"]["bytes_per_step"] == pytest.approx(ddp, rel=1e-12)
+    pad = sum(theory.traffic_bytes(psi, 2, 2, "fp32").values())      # = ddp up to padding
+    assert rows["zerolab-zero2"]["bytes_per_step"] - 4 == pytest.approx(pad, rel=1e-3)
     z3 = sum(theory.traffic_bytes(psi, 2, 3, "fp32").values())
     assert rows["fsdp2-reshard"]["bytes_per_step"] == pytest.approx(z3, rel=0.01)
     assert rows["torch-ddp"]["vs_torch_ddp"] == 1.0

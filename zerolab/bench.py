@@ -1,7 +1,8 @@
 """zerolab against torch: the same GPT, the same data, the systems interleaved round by round.
 
 Idea: a speed claim needs the same model, data, dtype and machine, and repeated runs whose spread
-is shown. Every rank builds each system from the same seed: zerolab stages 0-3 (+ ZeRO-3 prefetch),
+is shown. Every rank builds each system from the same seed: zerolab stages 0-3 with their defaults
+(ZeRO-3 gathers one block ahead) and ZeRO-3 without prefetch,
 torch DistributedDataParallel, DDP + ZeroRedundancyOptimizer (parameters_as_bucket_view=True) and
 FSDP2 `fully_shard` with reshard_after_forward True (ZeRO-3-like) and False (ZeRO-2-like). Each
 round runs one optimizer step of every system, in an order rotated each round so that no system
@@ -40,9 +41,10 @@ from .data import get_batch, load_tokens, rank_slice
 from .memory import MemoryMeter
 from .model import GPT, PRESETS, get_config
 from .sharding import storage_bytes
+from .zero3 import DEFAULT_PREFETCH
 
-ZEROLAB = {"zerolab-ddp": (0, False), "zerolab-zero1": (1, False), "zerolab-zero2": (2, False),
-           "zerolab-zero3": (3, False), "zerolab-zero3-prefetch": (3, True)}
+ZEROLAB = {"zerolab-ddp": (0, None), "zerolab-zero1": (1, None), "zerolab-zero2": (2, None),
+           "zerolab-zero3": (3, DEFAULT_PREFETCH), "zerolab-zero3-noprefetch": (3, 0)}
 TORCH = ("torch-ddp", "torch-ddp-zero", "fsdp2-reshard", "fsdp2-noreshard")
 SYSTEMS = (*ZEROLAB, *TORCH)
 
@@ -126,7 +128,16 @@ def peak_bytes(system, x, y) -> int:
 
 
 def count_traffic(system, x, y) -> tuple[float, int]:
-    """(per-rank ring bytes, collectives) of one step, seen by a c10d dispatch counter."""
+    """(per-rank ring bytes, collectives) of one step: torch's systems seen by a c10d dispatch
+    counter, zerolab's from its ledger (logical ring bytes: on gloo zerolab issues a
+    reduce_scatter as an in-place all_reduce plus a slice, which the counter would count as an
+    all_reduce; gloo's own reduce_scatter, which FSDP2 uses, is the same all_reduce underneath)."""
+    if system.strategy is not None:
+        comm = system.strategy.comm
+        first = len(comm.records)
+        system.step(x, y)
+        rows = comm.records[first:]
+        return sum(r.bytes for r in rows), len(rows)
     from .demos.fsdp import CollectiveCounter
     with CollectiveCounter() as counter:
         system.step(x, y)

@@ -79,8 +79,9 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--seed", type=int, default=0, help="model init and batch sampling")
     p.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
     p.add_argument("--timeline", action="store_true", help="record memory over the last step")
-    p.add_argument("--zero3-prefetch", action="store_true",
-                   help="ZeRO-3: gather the next block while the current one computes")
+    p.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="ZeRO-3: gather the next block while the current one computes (the "
+                   "default); --no-zero3-prefetch: one block at a time, the notes' picture")
     p.add_argument("--save-params", action="store_true",
                    help="save each stage's final fp32 weights (every key of GPT.state_dict()) "
                    "to OUT/stage{S}/params.pt")
@@ -256,7 +257,9 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
+    if getattr(args, "zero3_prefetch", None) is not None:    # on / off; absent: the default
+        argv.append("--zero3-prefetch" if args.zero3_prefetch else "--no-zero3-prefetch")
+    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params",
                                                         "find_unused_parameters",
                                                         "trace", "zero3_keep_root",
                                                         "activation_checkpointing")

@@ -80,8 +80,13 @@ class MemoryMeter:
                 "timeline": [{"tag": t, "t": s, **c} for t, s, c in self.timeline]}
 
 
-def allocator_peak(run_step, device: torch.device, external=()) -> dict:
+def allocator_peak(run_step, device: torch.device, external=(), *, micro_steps=False) -> dict:
     """Run `run_step()` once and return the allocator's view of it, independent of the meter.
+
+    micro_steps=True: `run_step(next_forward)` is called instead, and must call `next_forward()`
+    before every forward pass after the first (gradient accumulation). MemTracker follows one
+    forward per module and refuses a second ("multiple iterative calls"); next_forward clears
+    its per-module statistics, which this function does not read, and keeps the peak.
 
     CUDA: {"source": "torch.cuda", "peak_allocated": max_memory_allocated - baseline,
     "allocated_before", "peak_absolute", "reserved"} in bytes. CPU: MemTracker's peak over the step
@@ -93,7 +98,7 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        run_step()
+        run_step(lambda: None) if micro_steps else run_step()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         return {"source": "torch.cuda", "allocated_before": before, "peak_absolute": peak,
@@ -103,7 +108,7 @@ def allocator_peak(run_step, device: torch.device, external=()) -> dict:
     tracker = MemTracker()
     tracker.track_external(*external)
     with tracker:
-        run_step()
+        run_step(tracker.reset_mod_stats) if micro_steps else run_step()
     snap = tracker.get_tracker_snapshot("peak")
     by_type: dict[str, int] = {}
     for dev, stats in snap.items():
