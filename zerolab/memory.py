@@ -18,7 +18,7 @@ sample inside the step too (after the fp32 copies, after the update), so the pea
 temporaries (one parameter's worth at a time), gradient-norm scalars, the loss all_reduce's scalar.
 
 Cost: a sample walks every storage of `state_tensors()`, and the strategies sample 10-47 times a
-step (more units, more samples): 1-6% of a step on the `tiny` and `small` GPTs (measured by
+step (more units, more samples): 1-8% of a step on the `tiny` and `small` GPTs (measured by
 `zerolab bench --meter-cost`). So the meter samples only where a measurement needs it:
 `zerolab train` reports the last step's memory and keeps the meter idle (`enabled = False`,
 `sample` returns at once: < 0.2% of a step) in the others.
