@@ -112,8 +112,9 @@ class System:
         """What this system holds between steps, for MemTracker's `track_external`: the model,
         the optimizer (and ZeroRedundancyOptimizer's local one), zerolab's flat buffers."""
         if self.strategy is not None:
+            held = self.strategy.state_tensors().values()
             return (self.model, self.strategy.optimizer,
-                    *(t for ts in self.strategy.state_tensors().values() for t in ts if t is not None))
+                    *(t for ts in held for t in ts if t is not None))
         return (self.model, self.optimizer, getattr(self.optimizer, "optim", None))
 
 
