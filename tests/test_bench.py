@@ -65,3 +65,6 @@ def test_bench_refuses_bad_input(capsys):
     assert cli.main(["bench", "--systems", "zerolab-ddp,megatron"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'megatron'" in err[0]
+    assert cli.main(["bench", "--meter-cost", "--systems", "torch-ddp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'torch-ddp'" in err[0] and "--meter-cost" in err[0]

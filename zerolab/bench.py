@@ -299,7 +299,11 @@ def check_args(args, world_size: int) -> list[str]:
     if args.batch_size % world_size:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size {world_size}")
     linkemu.from_args(args.link_gbps, args.link_latency_us, world_size)
-    return parse_systems(args.systems, args.link_gbps is not None)
+    systems = parse_systems(args.systems, args.link_gbps is not None)
+    if getattr(args, "meter_cost", False) and not set(systems) & set(METER_STAGES):
+        raise ValueError(f"--meter-cost times {', '.join(METER_STAGES)}: --systems "
+                         f"{args.systems!r} names none of them")
+    return systems
 
 
 def run(args) -> dict | None:
