@@ -263,3 +263,24 @@ def test_padding_held_by_the_ranks_adds_up_to_the_padding(n):
                 assert sum(h[state] for h in held) == pad * per[state]
             else:
                 assert all(h[state] == pad * per[state] for h in held)
+
+
+def test_an_idle_meter_does_no_work():
+    """`zerolab train` keeps the meter idle (enabled = False) in the steps whose memory it does
+    not report: there `sample` must not even ask the strategy for its tensors; enabled again,
+    it samples them."""
+    from zerolab.memory import MemoryMeter
+
+    class Strategy:
+        calls = 0
+
+        def state_tensors(self):
+            self.calls += 1
+            return {"params": [torch.zeros(3)], "grads": [torch.zeros(5)]}
+
+    s, meter = Strategy(), MemoryMeter(enabled=False)
+    meter.sample(s, "idle")
+    assert s.calls == 0 and meter.current == {} and meter.peak_total == 0
+    meter.enabled = True
+    meter.sample(s, "on")
+    assert s.calls == 1 and meter.current == {"params": 12, "grads": 20} and meter.peak_total == 32

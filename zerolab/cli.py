@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
     be.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
     be.add_argument("--out", default="runs/bench", help="writes OUT/bench.json")
+    be.add_argument("--meter-cost", action="store_true", help="instead: zerolab stages' train step "
+                    "with and without the memory meter (OUT/meter_cost.json)")
     be.add_argument("--timeout", type=float, default=1800, help="seconds before the run is killed")
 
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
@@ -240,6 +242,7 @@ def cmd_bench(args) -> int:
     check_args(args, args.nproc)
     argv = ["--preset", args.preset, "--systems", args.systems, "--rounds", str(args.rounds),
             "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--out", args.out]
+    argv += ["--meter-cost"] if args.meter_cost else []
     for flag in ("link_gbps", "link_latency_us"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

@@ -266,6 +266,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         if args.crash_rank == rank and step == args.steps - 1:
             raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank) at step {step}")
         last = step == args.steps - 1
+        meter.enabled = last                # the last step's memory is reported: sample only it
         meter.record_timeline = last and args.timeline
         meter.reset_peaks()
         meter.sample(strategy, "step start")
@@ -317,7 +318,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
 
     # --- held-out loss and saved parameters: outside the measured steps ------------------------
     memory = meter.to_json()                # what the last step held, before eval touches it
-    meter.record_timeline = False
+    meter.enabled = meter.record_timeline = False
     comm.step = -1
     with torch.no_grad():
         x, y = get_batch(val_tokens, 0, args.batch_size, cfg.block_size, args.seed + 1)
