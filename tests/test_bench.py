@@ -1,7 +1,12 @@
-"""`zerolab bench` runs end to end (nano, 2 ranks, one round) and its byte counts, taken by a
-c10d dispatch counter independent of zerolab's ledger, equal the ring formulas: zerolab DDP and
-torch DDP each all-reduce every fp32 gradient once, 2(n-1)/n · 4Ψ; FSDP2 with resharding moves
-3(n-1)/n · 4Ψ up to its own padding. Speed targets live in the benchmark's printout, not here."""
+"""`zerolab bench` runs end to end (nano, 2 ranks, one round) and its byte counts equal the ring
+formulas: torch's systems counted by a c10d dispatch counter, zerolab's by its ledger (on gloo a
+zerolab reduce_scatter is an in-place all_reduce plus a slice: the counter would see 2x the
+logical bytes). zerolab DDP and torch DDP each all-reduce every fp32 gradient once, 2(n-1)/n · 4Ψ,
+and so does ZeRO-2 with reduce_scatter + all_gather (plus the 4-byte gradient-norm all_reduce);
+FSDP2 with resharding moves 3(n-1)/n · 4Ψ up to its own padding. Its peak column (MemTracker over
+one step, the same for every system) holds at least the states held between steps, and sharding
+lowers it: zerolab ZeRO-3 below zerolab DDP, FSDP2 (reshard) below torch DDP. Speed targets (and
+the memory meter's cost, `--meter-cost`) live in the benchmark's printout, not here."""
 from __future__ import annotations
 
 import json
@@ -13,22 +18,46 @@ import pytest
 from zerolab import theory
 from zerolab.model import GPT, get_config, num_params
 
+SYSTEMS = "zerolab-ddp,zerolab-zero2,zerolab-zero3,torch-ddp,fsdp2-reshard"
 
-def test_bench_runs_and_counts_bytes(tmp_path):
+
+def _bench(out, *extra):
     proc = subprocess.run([sys.executable, "-m", "zerolab", "bench", "--preset", "nano",
-                           "--rounds", "1", "--warmup", "1", "--systems",
-                           "zerolab-ddp,torch-ddp,fsdp2-reshard", "--out", str(tmp_path)],
+                           "--rounds", "1", "--warmup", "1", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "x torch DDP" in proc.stdout
-    rows = {r["system"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def bench_nano(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    stdout = _bench(out, "--systems", SYSTEMS)
+    return stdout, {r["system"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
+
+
+def test_bench_runs_and_counts_bytes(bench_nano):
+    stdout, rows = bench_nano
+    assert "x torch DDP" in stdout
     psi = num_params(GPT(get_config("nano")))
     ddp = sum(theory.traffic_bytes(psi, 2, 0, "fp32").values())
     assert rows["zerolab-ddp"]["bytes_per_step"] == pytest.approx(ddp, rel=1e-12)
     assert rows["torch-ddp"]["bytes_per_step"] == pytest.approx(ddp, rel=1e-12)
+    pad = sum(theory.traffic_bytes(psi, 2, 2, "fp32").values())      # = ddp up to padding
+    assert rows["zerolab-zero2"]["bytes_per_step"] - 4 == pytest.approx(pad, rel=1e-3)
     z3 = sum(theory.traffic_bytes(psi, 2, 3, "fp32").values())
     assert rows["fsdp2-reshard"]["bytes_per_step"] == pytest.approx(z3, rel=0.01)
     assert rows["torch-ddp"]["vs_torch_ddp"] == 1.0
+
+
+def test_bench_peak_column(bench_nano):
+    stdout, rows = bench_nano
+    assert "peak MB" in stdout
+    for name, r in rows.items():
+        assert len(r["peak_bytes_by_rank"]) == 2 and r["peak_bytes"] == max(r["peak_bytes_by_rank"])
+        assert r["peak_bytes"] >= r["state_bytes"] > 0, name
+    assert rows["zerolab-zero3"]["peak_bytes"] < rows["zerolab-ddp"]["peak_bytes"]
+    assert rows["fsdp2-reshard"]["peak_bytes"] < rows["torch-ddp"]["peak_bytes"]
 
 
 def test_bench_refuses_bad_input(capsys):
@@ -36,3 +65,6 @@ def test_bench_refuses_bad_input(capsys):
     assert cli.main(["bench", "--systems", "zerolab-ddp,megatron"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'megatron'" in err[0]
+    assert cli.main(["bench", "--meter-cost", "--systems", "torch-ddp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'torch-ddp'" in err[0] and "--meter-cost" in err[0]

@@ -38,8 +38,8 @@ def train_worker(rank, n, jobs):
             comm = Comm()
             kwargs = dict(max_grad_norm=job["max_norm"], lr=job.get("lr", LR), weight_decay=WD,
                           find_unused_parameters=job.get("find_unused", False))
-            if grad_op == "prefetch":
-                kwargs["prefetch"] = True
+            if stage == 3:                  # both: one block at a time, and one block ahead
+                kwargs["prefetch"] = grad_op == "prefetch"
             elif grad_op:
                 kwargs["grad_op"] = grad_op
             s = STRATEGIES[stage](model, comm, **kwargs)

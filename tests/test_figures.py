@@ -131,3 +131,29 @@ def test_lab1_memory_figure_legends_below_the_data(allocator):
             assert not box.overlaps(label.get_window_extent(renderer)), \
                 f"{ax.get_title()!r}: the legend covers the tick label {label.get_text()!r}"
     plt.close(fig)
+
+
+def test_lab3_trace_figure_colours_fonts_and_legend_below():
+    """Lab 3's Gantt chart on the committed reference traces: one bar per collective where it ran
+    (trace.spans' "run" ranges), each in its op's colour; each wait hatched in its op's colour;
+    every text >= 8 pt; the legend under the lowest axes and clear of its x label."""
+    from zerolab import trace
+    out = Path(plots.__file__).parent / "reference_runs" / "lab3_step_timeline"
+    fig = plots.step_trace(out, stages=(2, 3))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    _check_fonts(fig, "step_trace")
+    colours = {to_rgba(c)[:3]: op for op, c in plots.COLLECTIVE_COLORS.items()}
+    for ax, stage in zip(fig.axes, (2, 3)):
+        spans = [s for p in sorted((out / f"stage{stage}").glob("trace_rank*.json"))
+                 for s in trace.spans(p)]
+        filled = sorted(colours[p.get_facecolor()[:3]] for p in ax.patches
+                        if p.get_facecolor()[:3] in colours)
+        assert filled == sorted(s.op for s in spans if s.kind == "run") and filled
+        hatched = sorted(colours[p.get_edgecolor()[:3]] for p in ax.patches if p.get_hatch())
+        assert hatched == sorted(s.op for s in spans if s.kind == "wait")
+    ax = fig.axes[-1]
+    legend = ax.get_legend()
+    box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert box.y1 <= area.y0 + 1 and not box.overlaps(ax.xaxis.label.get_window_extent(renderer))
+    plt.close(fig)

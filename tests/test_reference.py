@@ -83,6 +83,30 @@ def test_lab5_reference_is_the_same_training(tmp_path):
         nb.use_reference(False)
 
 
+def test_lab3_reference_traces_hold_their_ledgers(tmp_path):
+    """Lab 3's reference keeps every rank's trace of every stage, cut to the ranges
+    `trace.spans` reads: each still holds every collective of its rank's ledger for the traced
+    step exactly once (issue + wait, same op / unit / phase), each block's forward and backward
+    compute, and the lab's Gantt chart draws from it."""
+    from zerolab import nb, plots, trace
+    nb.use_reference()
+    try:
+        out = tmp_path / "runs" / "labs" / "lab3_step_timeline"
+        runs = nb.launch(stages="0,1,2,3", out=out, echo=lambda line: None)
+    finally:
+        nb.use_reference(False)
+    assert sorted(runs) == [0, 1, 2, 3]
+    for s, ranks in runs.items():
+        for r in ranks:
+            path = out / f"stage{s}" / f"trace_rank{r['rank']}.json"
+            counts = trace.check_labels(path, r)
+            assert sum(c["ledger"] for c in counts.values()) >= 5
+            blocks = [u["name"] for u in r["units"] if u["name"] != "root"]
+            got = [(x.phase, x.unit) for x in trace.spans(path) if x.kind == "block"]
+            assert got == [("forward", b) for b in blocks] + [("backward", b) for b in blocks[::-1]]
+    assert len(plots.step_trace(out, stages=(2, 3)).axes) == 2
+
+
 def test_lab6_reference_keeps_step_times_and_the_link_floor(tmp_path):
     """Lab 6's reference holds, per emulated link, the measured step times of every rank and
     stage (and ZeRO-3 + prefetch), rank 0's trace, and every forward all_gather of ZeRO-3 took

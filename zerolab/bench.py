@@ -1,17 +1,23 @@
 """zerolab against torch: the same GPT, the same data, the systems interleaved round by round.
 
 Idea: a speed claim needs the same model, data, dtype and machine, and repeated runs whose spread
-is shown. Every rank builds each system from the same seed: zerolab stages 0-3 (+ ZeRO-3 prefetch),
+is shown. Every rank builds each system from the same seed: zerolab stages 0-3 with their defaults
+(ZeRO-3 gathers one block ahead) and ZeRO-3 without prefetch,
 torch DistributedDataParallel, DDP + ZeroRedundancyOptimizer (parameters_as_bucket_view=True) and
 FSDP2 `fully_shard` with reshard_after_forward True (ZeRO-3-like) and False (ZeRO-2-like). Each
 round runs one optimizer step of every system, in an order rotated each round so that no system
 always follows the same neighbour; a barrier precedes each timed step; a step's time is the
 slowest rank's. Reported: median step time, spread (min-max over rounds), ratios to torch DDP
-and to FSDP2, model-state bytes per rank between steps, and bytes and collectives per step
-counted for every system by one TorchDispatchMode that sees c10d ops (demos/fsdp.py's counter,
-in one extra untimed step).
+and to FSDP2, model-state bytes per rank between steps, the peak bytes per rank during a step
+(MemTracker over one extra untimed step of every system, the same way for each: the states held
+before it plus activations, gradients, buckets, gathered weights and temporaries; the largest
+over ranks), and bytes and collectives per step counted for every system by one
+TorchDispatchMode that sees c10d ops (demos/fsdp.py's counter, in one extra untimed step).
+`--meter-cost` instead times `zerolab train`'s step of each zerolab stage with the memory meter
+sampling, idle and absent (`meter_cost`).
 
     python -m zerolab bench --nproc 2 --preset small --rounds 7
+    python -m zerolab bench --preset small --meter-cost --rounds 21
 
 All systems run fp32 on CPU (torch DDP's bf16 mixed precision needs CUDA events). With
 --link-gbps only zerolab's systems run: the emulator sits in zerolab's Comm, torch's collectives
@@ -35,12 +41,14 @@ import torch.distributed as dist
 from . import STRATEGIES, linkemu, theory
 from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
+from .memory import MemoryMeter
 from .model import GPT, PRESETS, get_config
 from .preflight import check_finite
 from .sharding import storage_bytes
+from .zero3 import DEFAULT_PREFETCH
 
-ZEROLAB = {"zerolab-ddp": (0, False), "zerolab-zero1": (1, False), "zerolab-zero2": (2, False),
-           "zerolab-zero3": (3, False), "zerolab-zero3-prefetch": (3, True)}
+ZEROLAB = {"zerolab-ddp": (0, None), "zerolab-zero1": (1, None), "zerolab-zero2": (2, None),
+           "zerolab-zero3": (3, DEFAULT_PREFETCH), "zerolab-zero3-noprefetch": (3, 0)}
 TORCH = ("torch-ddp", "torch-ddp-zero", "fsdp2-reshard", "fsdp2-noreshard")
 SYSTEMS = (*ZEROLAB, *TORCH)
 
@@ -121,9 +129,37 @@ class System:
                   if isinstance(v, torch.Tensor) and v.dim() > 0]
         return storage_bytes(params) + storage_bytes(grads) + storage_bytes(states)
 
+    def held(self) -> tuple:
+        """What this system holds between steps, for MemTracker's `track_external`: the model,
+        the optimizer (and ZeroRedundancyOptimizer's local one), zerolab's flat buffers."""
+        if self.strategy is not None:
+            held = self.strategy.state_tensors().values()
+            return (self.model, self.strategy.optimizer,
+                    *(t for ts in held for t in ts if t is not None))
+        return (self.model, self.optimizer, getattr(self.optimizer, "optim", None))
+
+
+def peak_bytes(system, x, y) -> int:
+    """Peak bytes this rank holds during one step of `system`, seen by MemTracker
+    (memory.allocator_peak): the states held before the step plus every tensor the step allocates
+    (activations, gradients, buckets, gathered weights, optimizer temporaries). The same
+    measurement for zerolab and torch; CPU tensors only."""
+    from .memory import allocator_peak
+    return allocator_peak(lambda: system.step(x, y), torch.device("cpu"),
+                          external=system.held())["peak_absolute"]
+
 
 def count_traffic(system, x, y) -> tuple[float, int]:
-    """(per-rank ring bytes, collectives) of one step, seen by a c10d dispatch counter."""
+    """(per-rank ring bytes, collectives) of one step: torch's systems seen by a c10d dispatch
+    counter, zerolab's from its ledger (logical ring bytes: on gloo zerolab issues a
+    reduce_scatter as an in-place all_reduce plus a slice, which the counter would count as an
+    all_reduce; gloo's own reduce_scatter, which FSDP2 uses, is the same all_reduce underneath)."""
+    if system.strategy is not None:
+        comm = system.strategy.comm
+        first = len(comm.records)
+        system.step(x, y)
+        rows = comm.records[first:]
+        return sum(r.bytes for r in rows), len(rows)
     from .demos.fsdp import CollectiveCounter
     with CollectiveCounter() as counter:
         system.step(x, y)
@@ -133,6 +169,116 @@ def count_traffic(system, x, y) -> tuple[float, int]:
         width = getattr(torch, row["dtype"].split(".")[1]).itemsize
         total += row["numel"] * width * theory.RING_FACTOR[row["op"]](n)
     return total, len(counter.rows)
+
+
+# --- the memory meter's cost: `zerolab train`'s step of each stage with and without it ---------
+METER_STAGES = {"zerolab-ddp": 0, "zerolab-zero1": 1, "zerolab-zero2": 2, "zerolab-zero3": 3}
+METER_VARIANTS = ("none", "idle", "sampling")
+
+
+class _TimedMeter(MemoryMeter):
+    """A MemoryMeter that counts `sample` calls and the seconds spent inside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.seconds = 0, 0.0
+
+    def sample(self, strategy, tag=""):
+        t0 = time.perf_counter()
+        super().sample(strategy, tag)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+
+
+def meter_cost(args) -> dict | None:
+    """Every rank: for each zerolab stage, one strategy (bf16, as `zerolab train` runs it) whose
+    steps alternate, in an order rotated every round, between the meter variants of
+    METER_VARIANTS: "none" (no meter), "idle" (a meter with enabled = False, as `zerolab train`
+    runs every step but the last), "sampling" (the meter samples at every point of the step, as
+    in the last step, whose memory is reported; before the meter could be idle, every step).
+    A step is train.py's: reset_peaks + sample at the start, forward, backward, optimizer step;
+    its time is the slowest rank's, after a barrier.
+    Two measures of the meter's cost: the seconds spent inside `MemoryMeter.sample` in a step
+    (the slowest rank's; against the median step without a meter), and the A/B ratio of a
+    step's time to the same round's step without a meter (noisy on a shared machine). Rank 0
+    returns {"rows": [{"system", "variant", "median_s", "min_s", "max_s", "times_s",
+    "ratio_median", "ratio_min", "ratio_max", "meter_s", "meter_min_s", "meter_max_s",
+    "samples_per_step", "meter_share"}], ...}; meter_share = meter_s / "none"'s median_s."""
+    torch.set_num_threads(1)
+    comm = Comm()
+    rank, n = comm.rank, comm.world_size
+    cfg = get_config(args.preset)
+    names = [s for s in check_args(args, n) if s in METER_STAGES]
+    tokens, _ = load_tokens(None, cfg.block_size)
+    built = {}
+    for name in names:
+        torch.manual_seed(args.seed)
+        model = GPT(cfg).to(torch.bfloat16)
+        meter = _TimedMeter()
+        built[name] = (STRATEGIES[METER_STAGES[name]](model, comm, max_grad_norm=1.0, lr=args.lr,
+                                                      weight_decay=0.1, meter=meter), meter)
+    times = {(s, v): [] for s in names for v in METER_VARIANTS}
+    inside = {(s, v): [] for s in names for v in METER_VARIANTS}    # (seconds, calls) per step
+    for r in range(args.warmup + args.rounds):
+        x, y = get_batch(tokens, r, args.batch_size, cfg.block_size, args.seed)
+        x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
+        for name in names:
+            strategy, meter = built[name]
+            k = r % len(METER_VARIANTS)
+            for variant in METER_VARIANTS[k:] + METER_VARIANTS[:k]:
+                strategy.meter = None if variant == "none" else meter
+                meter.enabled = variant == "sampling"
+                meter.seconds, meter.calls = 0.0, 0
+                dist.barrier()
+                t0 = time.perf_counter()
+                if strategy.meter is not None:              # train.py's step start
+                    meter.reset_peaks()
+                    meter.sample(strategy, "step start")
+                strategy.backward(strategy.forward(x, y))
+                strategy.step()
+                if r >= args.warmup:
+                    times[name, variant].append(time.perf_counter() - t0)
+                    inside[name, variant].append((meter.seconds, meter.calls))
+    gathered = [None] * n
+    dist.all_gather_object(gathered, (times, inside))
+    if rank != 0:
+        return None
+    rows = []
+    for name in names:
+        slowest = {v: [max(g[0][name, v][i] for g in gathered) for i in range(args.rounds)]
+                   for v in METER_VARIANTS}
+        base = statistics.median(slowest["none"])
+        for v in METER_VARIANTS:
+            ratios = [a / b for a, b in zip(slowest[v], slowest["none"])]
+            meter_s = [max(g[1][name, v][i][0] for g in gathered) for i in range(args.rounds)]
+            rows.append({"system": name, "variant": v, "median_s": statistics.median(slowest[v]),
+                         "min_s": min(slowest[v]), "max_s": max(slowest[v]), "times_s": slowest[v],
+                         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+                         "ratio_max": max(ratios), "meter_s": statistics.median(meter_s),
+                         "meter_min_s": min(meter_s), "meter_max_s": max(meter_s),
+                         "samples_per_step": gathered[0][1][name, v][0][1],
+                         "meter_share": statistics.median(meter_s) / base})
+    return {"preset": args.preset, "world_size": n, "rounds": args.rounds, "warmup": args.warmup,
+            "batch_size": args.batch_size, "precision": "bf16", "backend": dist.get_backend(),
+            "rows": rows}
+
+
+def format_meter_cost(summary: dict) -> str:
+    """The meter-cost table: per stage and variant, the step's median ms and spread, its ratio to
+    the step without a meter, and the ms spent inside MemoryMeter.sample (and its % of a step)."""
+    lines = [f"memory meter cost: {summary['preset']} GPT, {summary['world_size']} ranks, "
+             f"{summary['backend']}, {summary['precision']}, {summary['rounds']} rounds (median, "
+             "min-max of the slowest rank)",
+             f"{'system':<16}{'meter':<10}{'step ms':>9}{'min-max':>11}{'x no meter':>11}"
+             f"{'min-max':>13}{'samples':>9}{'in meter ms':>13}{'min-max':>13}{'% of step':>10}"]
+    for r in summary["rows"]:
+        spread = f"{r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}"
+        ratios = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+        inside = f"{r['meter_min_s'] * 1e3:.2f}-{r['meter_max_s'] * 1e3:.2f}"
+        lines.append(f"{r['system']:<16}{r['variant']:<10}{r['median_s'] * 1e3:>9.1f}{spread:>11}"
+                     f"{r['ratio_median']:>11.3f}{ratios:>13}{r['samples_per_step']:>9}"
+                     f"{r['meter_s'] * 1e3:>13.3f}{inside:>13}{r['meter_share'] * 100:>9.2f}%")
+    return "\n".join(lines)
 
 
 def build_parser():
@@ -149,6 +295,8 @@ def build_parser():
     p.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
     p.add_argument("--link-latency-us", type=float, default=None)
     p.add_argument("--out", default="runs/bench")
+    p.add_argument("--meter-cost", action="store_true", help="instead: time zerolab train's step "
+                   "of each zerolab stage with and without the memory meter (OUT/meter_cost.json)")
     return p
 
 
@@ -177,7 +325,11 @@ def check_args(args, world_size: int) -> list[str]:
     linkemu.from_args(args.link_gbps, args.link_latency_us, world_size)
     if getattr(args, "bucket_mb", None) is not None:
         check_finite("--bucket-mb", args.bucket_mb, positive=True)
-    return parse_systems(args.systems, args.link_gbps is not None)
+    systems = parse_systems(args.systems, args.link_gbps is not None)
+    if getattr(args, "meter_cost", False) and not set(systems) & set(METER_STAGES):
+        raise ValueError(f"--meter-cost times {', '.join(METER_STAGES)}: --systems "
+                         f"{args.systems!r} names none of them")
+    return systems
 
 
 def run(args) -> dict | None:
@@ -204,16 +356,20 @@ def run(args) -> dict | None:
     x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
     traffic = {s.name: count_traffic(s, x, y) for s in systems}
     memory = {s.name: s.state_bytes() for s in systems}
+    peaks = {s.name: peak_bytes(s, x, y) for s in systems}
     gathered = [None] * n
-    dist.all_gather_object(gathered, times)
+    dist.all_gather_object(gathered, (times, peaks))
     if rank != 0:
         return None
     rows = []
     for s in systems:
-        slowest = [max(g[s.name][i] for g in gathered) for i in range(args.rounds)]
+        slowest = [max(g[0][s.name][i] for g in gathered) for i in range(args.rounds)]
         rows.append({"system": s.name, "median_s": statistics.median(slowest),
                      "min_s": min(slowest), "max_s": max(slowest), "times_s": slowest,
-                     "state_bytes": memory[s.name], "bytes_per_step": traffic[s.name][0],
+                     "state_bytes": memory[s.name],
+                     "peak_bytes": max(g[1][s.name] for g in gathered),
+                     "peak_bytes_by_rank": [g[1][s.name] for g in gathered],
+                     "bytes_per_step": traffic[s.name][0],
                      "collectives_per_step": traffic[s.name][1]})
     ref = {r["system"]: r["median_s"] for r in rows}
     for row in rows:
@@ -236,13 +392,14 @@ def format_table(summary: dict) -> str:
              + (f", zerolab buckets {summary['bucket_mb']:g} MiB" if summary.get("bucket_mb")
                 else ""),
              f"{'system':<24}{'median ms':>10}{'min-max ms':>16}{'x torch DDP':>12}{'x FSDP2':>9}"
-             f"{'states MB':>11}{'moved MB':>10}{'colls':>7}"]
+             f"{'states MB':>11}{'peak MB':>9}{'moved MB':>10}{'colls':>7}"]
     for r in summary["rows"]:
         ratio = (lambda v: f"{v:.2f}" if v is not None else "-")
         spread = f"{r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}"
         lines.append(f"{r['system']:<24}{r['median_s'] * 1e3:>10.1f}{spread:>16}"
                      f"{ratio(r['vs_torch_ddp']):>12}{ratio(r['vs_fsdp2']):>9}"
-                     f"{r['state_bytes'] / 1e6:>11.2f}{r['bytes_per_step'] / 1e6:>10.2f}"
+                     f"{r['state_bytes'] / 1e6:>11.2f}{r['peak_bytes'] / 1e6:>9.2f}"
+                     f"{r['bytes_per_step'] / 1e6:>10.2f}"
                      f"{r['collectives_per_step']:>7}")
     return "\n".join(lines)
 
@@ -259,13 +416,14 @@ def main(argv=None) -> int:
         return 2
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
-        summary = run(args)
+        summary = meter_cost(args) if args.meter_cost else run(args)
         if summary is not None:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "bench.json").write_text(json.dumps(summary, indent=1))
-            print(format_table(summary), flush=True)
-            print(f"wrote {out.resolve() / 'bench.json'}", flush=True)
+            name = "meter_cost.json" if args.meter_cost else "bench.json"
+            (out / name).write_text(json.dumps(summary, indent=1))
+            print((format_meter_cost if args.meter_cost else format_table)(summary), flush=True)
+            print(f"wrote {out.resolve() / name}", flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()

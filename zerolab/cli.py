@@ -79,8 +79,9 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--seed", type=int, default=0, help="model init and batch sampling")
     p.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
     p.add_argument("--timeline", action="store_true", help="record memory over the last step")
-    p.add_argument("--zero3-prefetch", action="store_true",
-                   help="ZeRO-3: gather the next block while the current one computes")
+    p.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="ZeRO-3: gather the next block while the current one computes (the "
+                   "default); --no-zero3-prefetch: one block at a time, the notes' picture")
     p.add_argument("--save-params", action="store_true",
                    help="save each stage's final fp32 weights (every key of GPT.state_dict()) "
                    "to OUT/stage{S}/params.pt")
@@ -157,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
     be.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
     be.add_argument("--out", default="runs/bench", help="writes OUT/bench.json")
+    be.add_argument("--meter-cost", action="store_true", help="instead: zerolab stages' train step "
+                    "with and without the memory meter (OUT/meter_cost.json)")
     be.add_argument("--timeout", type=float, default=1800, help="seconds before the run is killed")
 
     train = sub.add_parser("train", formatter_class=HELP, help="train one or more stages under torchrun")
@@ -246,6 +249,7 @@ def cmd_bench(args) -> int:
     check_args(args, args.nproc)
     argv = ["--preset", args.preset, "--systems", args.systems, "--rounds", str(args.rounds),
             "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--out", args.out]
+    argv += ["--meter-cost"] if args.meter_cost else []
     for flag in ("link_gbps", "link_latency_us", "bucket_mb"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -260,7 +264,9 @@ def _train_argv(args, stages: str, out: str, backend: str, device: str) -> list[
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params", "zero3_prefetch",
+    if getattr(args, "zero3_prefetch", None) is not None:    # on / off; absent: the default
+        argv.append("--zero3-prefetch" if args.zero3_prefetch else "--no-zero3-prefetch")
+    argv += [f"--{flag.replace('_', '-')}" for flag in ("timeline", "save_params",
                                                         "find_unused_parameters",
                                                         "trace", "zero3_keep_root",
                                                         "activation_checkpointing")

@@ -9,7 +9,7 @@ communicator's collectives) and the time `costmodel.collective_time` gives for i
 passed since the collective started on the link. Sleeping uses no CPU, so compute issued in
 between runs at full speed and the wire time hides behind it exactly as the cost model replays.
 
-    python -m zerolab train --stage 3 --zero3-prefetch --preset small --link-gbps 1 --link-latency-us 100
+    python -m zerolab train --stage 3 --preset small --link-gbps 1 --link-latency-us 100
 
 Limits: the emulated time is a floor (a collective ends at max(gloo's own time, the model's));
 the ledger's `time_s` of a collective queued behind another on the link may include part of that

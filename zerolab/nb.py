@@ -65,13 +65,15 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
         echo(note)
     argv = ["--stages", str(stages), "--preset", preset, "--steps", str(steps), "--out", str(out),
             "--backend", backend, "--device", device]
+    parser = build_parser()                     # the ranks' own parser: a bad flag fails here
     for name, value in train_flags.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
             argv.append(flag)
+        elif value is False and "--no-" + flag[2:] in parser._option_string_actions:
+            argv.append("--no-" + flag[2:])     # an on/off flag whose default is on
         elif value not in (None, False):
             argv += [flag, str(value)]
-    parser = build_parser()                     # the ranks' own parser: a bad flag fails here
     parser.exit_on_error = False
     try:
         args, unknown = parser.parse_known_args(argv)

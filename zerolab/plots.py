@@ -272,6 +272,93 @@ def memory_timeline(runs: dict[int, list[dict]], stages=(2, 3), rank: int = 0):
 LIVE_BLOCK_STATES = ("active_allocated", "active_pending_free")
 
 
+COMPUTE_GREYS = {"phase": "0.85", "block": "0.55"}   # a phase's range, a block's compute
+
+
+def step_trace(out, stages=(2, 3), ranks=None):
+    """Lab 3: one traced step per rank as a Gantt chart, from the `--trace` files
+    OUT/stage{S}/trace_rank{r}.json (zerolab.trace.spans). One panel per stage, two lanes per
+    rank on one clock (ms from the first rank's forward): "compute" - the forward / backward /
+    step ranges in light grey, each block's compute in dark grey (f0, b1: forward / backward of
+    block.0 / block.1), the rank's thread blocked in a collective's wait hatched in its colour;
+    "collectives" - each collective where it ran (gloo's worker thread, an NCCL kernel) in its
+    colour, a tick where it was issued (its issue-to-wait range, pale, when the trace does not
+    show where it ran). Raises FileNotFoundError when a stage has no trace."""
+    from matplotlib.patches import Patch
+    from . import trace
+    out = Path(out)
+    stages = list(stages)
+    fig, axes = plt.subplots(len(stages), 1, figsize=(15, 0.6 + 2.3 * len(stages)), squeeze=False)
+    drawn_ops, meta = set(), {}
+    for ax, stage in zip(axes[:, 0], stages):
+        paths = sorted((out / f"stage{stage}").glob("trace_rank*.json"),
+                       key=lambda p: int(p.stem[len("trace_rank"):]))
+        if ranks is not None:
+            paths = [p for p in paths if int(p.stem[len("trace_rank"):]) in ranks]
+        if not paths:
+            raise FileNotFoundError(f"no trace in {str(out / f'stage{stage}')!r}: launch with trace=True")
+        per_rank = {int(p.stem[len("trace_rank"):]): trace.spans(p) for p in paths}
+        meta = trace.metadata(paths[0]) or meta
+        t0 = min(s.start_s for sp in per_rank.values() for s in sp if s.kind == "phase")
+        end = (max(s.end_s for sp in per_rank.values() for s in sp) - t0) * 1e3    # ms
+        ms = lambda t: (t - t0) * 1e3  # noqa: E731
+        ticks, labels = [], []
+        for k, (rank, sp) in enumerate(sorted(per_rank.items())):
+            yc, yn = -2 * k, -2 * k - 0.9          # compute lane, collectives lane
+            for s in sp:
+                if s.kind in ("phase", "block"):
+                    h = 0.7 if s.kind == "phase" else 0.5
+                    ax.barh(yc, s.dur_s * 1e3, left=ms(s.start_s), height=h,
+                            color=COMPUTE_GREYS[s.kind], zorder=1 if s.kind == "phase" else 2)
+                    text = s.name if s.kind == "phase" else f"{s.phase[0]}{s.unit.split('.')[-1]}"
+                    if s.dur_s * 1e3 > end * (0.012 * len(text) if s.kind == "phase" else 0.008):
+                        ax.text(ms(s.start_s) + s.dur_s * 5e2, yc + (0.42 if s.kind == "phase" else 0),
+                                text, ha="center", va="bottom" if s.kind == "phase" else "center",
+                                fontsize=FONT - 1, color="0.15", zorder=5, clip_on=True)
+                elif s.kind == "wait":
+                    ax.barh(yc, s.dur_s * 1e3, left=ms(s.start_s), height=0.5, zorder=3,
+                            color="white", edgecolor=COLLECTIVE_COLORS[s.op], hatch="////", lw=0.8)
+            runs = [s for s in sp if s.kind == "run"]
+            threads = sorted({s.thread for s in runs}, key=str)
+            for s in runs:
+                j = threads.index(s.thread)
+                h = 0.6 / max(len(threads), 1)
+                ax.barh(yn + 0.3 - h * (j + 0.5), s.dur_s * 1e3, left=ms(s.start_s), height=h * 0.9,
+                        color=COLLECTIVE_COLORS[s.op], zorder=3)
+                drawn_ops.add(s.op)
+            issues = [s for s in sp if s.kind == "issue"]
+            if not runs:                          # no run ranges: from issue to the end of its wait
+                waits = {s.index: s for s in sp if s.kind == "wait"}
+                for s in issues:
+                    w = waits.get(s.index)
+                    if w is not None:
+                        ax.barh(yn, (w.end_s - s.start_s) * 1e3, left=ms(s.start_s), height=0.5,
+                                color=COLLECTIVE_COLORS[s.op], alpha=0.45, zorder=3)
+                        drawn_ops.add(s.op)
+            for s in issues:
+                ax.plot([ms(s.start_s)] * 2, [yn - 0.38, yn + 0.38], color="k", lw=0.8, zorder=4)
+            ticks += [yc, yn]
+            labels += [f"rank {rank}\ncompute", f"rank {rank}\ncollectives"]
+        ax.set_yticks(ticks, labels, fontsize=FONT)
+        ax.set_ylim(ticks[-1] - 0.6, 0.75)
+        ax.set_xlim(0, end * 1.01)
+        ax.tick_params(axis="x", labelsize=FONT)
+        ax.grid(axis="x", color="0.9", zorder=0)
+        ax.set_title(f"{theory.STAGE_NAMES[stage]}: step {meta.get('step', '?')} of every rank "
+                     "(--trace), one clock", fontsize=FONT + 1)
+    axes[-1, 0].set_xlabel("ms since the first rank's forward began", fontsize=FONT)
+    handles = [Patch(color=COMPUTE_GREYS["phase"], label="forward / backward / step"),
+               Patch(color=COMPUTE_GREYS["block"], label="a block's compute (f = forward, b = backward)"),
+               Patch(facecolor="white", edgecolor="0.3", hatch="////", label="waiting for a collective"),
+               plt.Line2D([], [], color="k", lw=0.8, label="| issued")]
+    handles += [Patch(color=COLLECTIVE_COLORS[op], label=f"{op} in progress") for op in COLLECTIVE_COLORS
+                if op in drawn_ops]
+    axes[-1, 0].legend(handles=handles, fontsize=FONT, ncol=4, loc="upper center",
+                       bbox_to_anchor=(0.5, -0.32 if len(stages) > 1 else -0.4), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
 def snapshot_series(snap: dict, max_entries: int | None = None) -> list[dict]:
     """Per device of a `torch.cuda.memory._dump_snapshot` dict: the allocated bytes after each
     recorded event, absolute. The running sum of alloc / free_completed sizes starts at zero

@@ -4,8 +4,9 @@ launch fails (or a machine is too slow).
 Idea: `zerolab/reference_runs/` holds what each lab reads back from its launches, from one
 `zerolab labs` run on the reference machine (2 CPU cores, gloo, torch 2.13), stored under the path
 each lab launched into, from the lab's folder on (e.g. `lab2_traffic_by_stage/notes`): the rank
-JSONs (`stage{S}/rank{r}.json`, a few KB each; lab 6's step times are in them), lab 6's Chrome
-trace of rank 0 (`stage3/trace_rank0.json`, cut to the ranges the lab prints) and, for lab 5, the
+JSONs (`stage{S}/rank{r}.json`, a few KB each; lab 6's step times are in them), the Chrome
+traces of labs 3 and 6 (`stage{S}/trace_rank{r}.json`, cut to the ranges `trace.spans` reads:
+compute phases and blocks, each collective's issue, wait and run; a few KB) and, for lab 5, the
 per-parameter differences to DDP (`param_diffs.json`, written by `labs.param_diffs`) instead of
 the binary `params.pt` files. In reference mode `zerolab.nb.launch` starts no ranks: it copies the
 matching reference run into the requested `out` folder and returns it, so every later cell
@@ -33,8 +34,7 @@ import sys
 from pathlib import Path
 
 FOLDER = Path(__file__).parent / "reference_runs"
-FILES = ("stage[0-3]/rank*.json", "stage[0-3]/trace_rank0.json", "param_diffs.json")
-TRACE_RANGES = ("issue", "wait", "forward", "backward", "step")   # what lab 6 prints of a trace
+FILES = ("stage[0-3]/rank*.json", "stage[0-3]/trace_rank*.json", "param_diffs.json")
 _ON = False
 
 
@@ -88,14 +88,16 @@ def restore(out) -> Path:
 
 
 def _trace(path: Path) -> dict:
-    """A Chrome trace cut to its complete ("X") ranges that lab 6 prints (TRACE_RANGES)."""
+    """A Chrome trace cut to the ranges `trace.spans` reads (`trace.keep`), without their args:
+    the labs print and plot those; the metadata (zerolab's run / stage / rank / step) is kept."""
+    from . import trace
     data = json.loads(path.read_text())
-    return {**data, "traceEvents": [e for e in data["traceEvents"] if e.get("ph") == "X"
-                                    and e["name"].split(" ")[0] in TRACE_RANGES]}
+    return {**data, "traceEvents": [{k: v for k, v in e.items() if k != "args"}
+                                    for e in data["traceEvents"] if trace.keep(e)]}
 
 
 def save(labs_out, labs=None) -> int:
-    """Store the rank JSONs (and lab 5's `param_diffs.json`, lab 6's rank-0 trace) under
+    """Store the rank JSONs (and lab 5's `param_diffs.json`, the traces, cut) under
     `labs_out` (a `zerolab labs` folder) as the reference of each lab found there (or of the
     named `labs` only), replacing that lab's stored run; returns the number of files stored."""
     from . import labs as lab_helpers

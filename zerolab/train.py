@@ -35,6 +35,7 @@ from .memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memo
 from .model import GPT, PRESETS, get_config, num_params
 from .preflight import check_finite, check_seed
 from .report import compare_rows, format_rows
+from .zero3 import DEFAULT_PREFETCH
 from .runs import atomic_json, atomic_path
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -70,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DDP / ZeRO-1 / ZeRO-2: gradient bucket cap in MiB (torch DDP's "
                    "bucket_cap_mb); consecutive blocks share a bucket (default: one per block; "
                    "ZeRO-3 ignores it: it gathers one block at a time)")
-    p.add_argument("--zero3-prefetch", action="store_true",
-                   help="ZeRO-3: gather the next block while the current one computes")
+    p.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="ZeRO-3: gather the next block while the current one computes (the "
+                   "default); --no-zero3-prefetch: one block at a time, the notes' picture")
     p.add_argument("--zero3-prefetch-depth", type=int, default=None,
-                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all); overrides --zero3-prefetch")
+                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all; default "
+                   f"{DEFAULT_PREFETCH}); overrides --zero3-prefetch")
     p.add_argument("--zero3-keep-root", action="store_true",
                    help="ZeRO-3: keep the root unit gathered from forward into backward")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -184,6 +187,16 @@ def held_tensors(model, strategy) -> tuple:
                                          for t in ts if t is not None))
 
 
+def zero3_prefetch_depth(args) -> int:
+    """ZeRO-3's blocks gathered ahead: --zero3-prefetch-depth if given, else 1 for
+    --zero3-prefetch, 0 for --no-zero3-prefetch, else zero3.DEFAULT_PREFETCH."""
+    depth = getattr(args, "zero3_prefetch_depth", None)
+    if depth is not None:
+        return depth
+    flag = getattr(args, "zero3_prefetch", None)
+    return DEFAULT_PREFETCH if flag is None else int(flag)
+
+
 def make_strategy(stage, model, comm, args, meter):
     kwargs = dict(max_grad_norm=args.max_grad_norm, meter=meter, lr=args.lr,
                   weight_decay=args.weight_decay,
@@ -194,8 +207,7 @@ def make_strategy(stage, model, comm, args, meter):
     if stage == 1:
         kwargs["grad_op"] = args.zero1_grad_op
     if stage == 3:
-        depth = getattr(args, "zero3_prefetch_depth", None)
-        kwargs["prefetch"] = args.zero3_prefetch if depth is None else depth
+        kwargs["prefetch"] = zero3_prefetch_depth(args)
         kwargs["keep_root"] = getattr(args, "zero3_keep_root", False)
     return STRATEGIES[stage](model, comm, **kwargs)
 
@@ -232,16 +244,19 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
     meter = MemoryMeter()
     comm.records.clear()
     strategy = make_strategy(stage, model, comm, args, meter)
+    unit_ranges = trace.UnitRanges(model.zero_units()) if args.trace else None   # after the strategy
     psi_padded = sum(u.padded_numel for u in strategy.units)
     start, history, saved = 0, [], []
     if ckpt is not None:
         checkpoint.load(strategy, model, ckpt, DTYPES[args.precision])
         start, history = ckpt.step, list(ckpt.meta.get("losses", []))[:ckpt.step]
 
-    def one_step(step):
+    def one_step(step, next_forward=None):
         x, y = get_batch(train_tokens, step, args.batch_size, cfg.block_size, args.seed)
         total = torch.zeros((), dtype=torch.float32, device=device)   # stays on the device:
         for micro in range(A):                                           # no host sync per micro-step
+            if micro and next_forward is not None:
+                next_forward()              # the allocator cross-check: a new forward (memory.py)
             xm, ym = (rank_slice(t, rank, n, micro, A).to(device) for t in (x, y))
             with trace.phase("forward"):
                 loss = strategy.forward(xm, ym)
@@ -259,6 +274,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         if args.crash_rank == rank and step == args.steps - 1:
             raise RuntimeError(f"rank {rank} crashed on purpose (--crash-rank) at step {step}")
         last = step == args.steps - 1
+        meter.enabled = last                # the last step's memory is reported: sample only it
         meter.record_timeline = last and args.timeline
         meter.reset_peaks()
         meter.sample(strategy, "step start")
@@ -267,14 +283,16 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
                                         tag={"run_id": args.run_id, "stage": stage, "rank": rank})
                     if last and args.cuda_snapshot and device.type == "cuda" else contextlib.nullcontext())
         profiler = trace.chrome_trace(Path(args.out) / f"stage{stage}" / f"trace_rank{rank}.json",
-                                      device, enabled=args.trace and step == trace_step)
+                                      device, enabled=args.trace and step == trace_step, comm=comm,
+                                      run_id=args.run_id, stage=stage, rank=rank, step=step)
         with snapshot, profiler:
             if last and not args.no_allocator:
                 result = {}
                 held = [t for cat, ts in strategy.state_tensors().items()     # the optimizer
                         if cat not in ("exp_avg", "exp_avg_sq") for t in ts if t is not None]
-                allocator = allocator_peak(lambda: result.update(out=one_step(step)), device,
-                                           external=(model, strategy.optimizer, *held))
+                allocator = allocator_peak(lambda nxt: result.update(out=one_step(step, nxt)),
+                                           device, external=(model, strategy.optimizer, *held),
+                                           micro_steps=True)
                 local, norm = result["out"]
             else:
                 local, norm = one_step(step)
@@ -308,7 +326,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
 
     # --- held-out loss and saved parameters: outside the measured steps ------------------------
     memory = meter.to_json()                # what the last step held, before eval touches it
-    meter.record_timeline = False
+    meter.enabled = meter.record_timeline = False
     comm.step = -1
     with torch.no_grad():
         x, y = get_batch(val_tokens, 0, args.batch_size, cfg.block_size, args.seed + 1)
@@ -337,6 +355,8 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
     measured_state = {s: memory["current"].get(s, 0) for s in theory.STATES}
     ledger = comm.to_json()
     finish_stage(strategy)
+    if unit_ranges is not None:
+        unit_ranges.remove()
     return {
         "run_id": args.run_id, "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": rank,
         "world_size": n, "params_sha256": params_sha256,
@@ -346,8 +366,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         "grad_accum": A, "grad_dtype": gd or args.precision,
         "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
         "bucket_mb": getattr(args, "bucket_mb", None) if stage in (0, 1, 2) else None,
-        "zero3_prefetch": (args.zero3_prefetch if args.zero3_prefetch_depth is None
-                           else args.zero3_prefetch_depth) if stage == 3 else None,
+        "zero3_prefetch": zero3_prefetch_depth(args) if stage == 3 else None,
         "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
         "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
                  if args.link_gbps is not None else None),

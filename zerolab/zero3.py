@@ -6,8 +6,9 @@ freed. Just before the block's backward they are gathered again; when its gradie
 they are reduce-scattered (as in ZeRO-2) and the full parameters are freed. Each rank updates its
 own range; no all_gather follows the step, because nobody keeps full weights. Per rank:
 (2 + 2 + 12)Ψ/N = 16Ψ/N bytes (2Ψ at N = 8) at the price of 3(n-1)/n·2Ψ bytes a step.
-With prefetch=True (`--zero3-prefetch`) the next block's all_gather is issued while the current
-block computes: the same bytes, one more gathered block alive.
+By default (prefetch=1) the next block's all_gather is issued while the current block computes:
+the same bytes, one more gathered block alive. prefetch=0 (`--no-zero3-prefetch`) is the notes'
+picture, one block gathered at a time, every gather on the critical path.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 3 --preset tiny --steps 3
 
@@ -41,15 +42,24 @@ def free_params(unit):
     free_storage(unit.param_flat)
 
 
+# Blocks gathered ahead by default. Chosen from measurements (issue #8; tests/test_knobs.py,
+# tests/test_linkemu.py, `zerolab bench`): on an emulated slow link (2 ranks, sleeping blocks)
+# depth 0 / 1 / 2 / all took 275 / 183 / 187 / 179 ms a step for a gathered peak of root + 1 / 2 /
+# 3 / all blocks; on 2 idle gloo CPU ranks (`small`) depth 1 took 176 ms against 192 ms. Depth 1
+# is the knee: almost all of the time for one block more. FSDP2 and DeepSpeed prefetch too.
+DEFAULT_PREFETCH = 1
+
+
 class ZeRO3:
     stage = 3
 
-    def __init__(self, model, comm, *, prefetch=False, keep_root=False, max_grad_norm=0.0,
+    def __init__(self, model, comm, *, prefetch=DEFAULT_PREFETCH, keep_root=False, max_grad_norm=0.0,
                  find_unused_parameters=False, grad_dtype=None, meter=None, **adamw):
-        """prefetch=True issues the next block's all_gather (forward order in forward, reverse
-        in backward) as soon as the current block is gathered, so it can overlap the current
-        block's compute; the price is a second gathered block in memory. prefetch=k gathers k
-        blocks ahead (k + 1 gathered blocks), -1 all remaining blocks at once. keep_root=True
+        """prefetch=1 (the default, DEFAULT_PREFETCH; True means 1) issues the next block's
+        all_gather (forward order in forward, reverse in backward) as soon as the current block
+        is gathered, so it can overlap the current block's compute; the price is a second
+        gathered block in memory. prefetch=0 (False) gathers each block only when it runs.
+        prefetch=k gathers k blocks ahead (k + 1 gathered blocks), -1 all remaining at once. keep_root=True
         keeps the root unit gathered from forward into backward (one all_gather fewer, the
         root's full weights held in between).
         Outside forward / backward a parameter is an empty tensor (0 elements), never a view of

@@ -178,8 +178,11 @@ def check_worker(rank, n, name, impl):
     ref = testing.reference(job, n, STEPS, history=True)
     model = testing.make_model(ex.model)
     comm, meter = Comm(), MemoryMeter()
+    # ZeRO-3 without prefetch: every block's gather then goes through the learner's gather_params
+    # (a prefetched gather is issued by the strategy itself)
+    kwargs = {"prefetch": 0} if ex.stage == 3 else {}
     s = STRATEGIES[ex.stage](model, comm, max_grad_norm=MAX_NORM, lr=testing.LR,
-                             weight_decay=testing.WD, meter=meter)
+                             weight_decay=testing.WD, meter=meter, **kwargs)
     psi = sum(u.padded_numel for u in s.units)
     found, worst = [], 0.0
 
