@@ -148,6 +148,31 @@ def test_resume_at_another_world_size_and_stage(ref, tmp_path, world_size, stage
     assert got["losses"] == pytest.approx(losses[2:], abs=1e-6, rel=0)
 
 
+@pytest.mark.timeout(150)
+def test_resume_with_another_bucket_size_and_world_size(ref, tmp_path):
+    """The reference saved one unit per block at N = 4 (ZeRO-2); resume at N = 3 (ZeRO-1) with
+    both blocks in one 1 MiB bucket and save that layout at step 3; resume it again at N = 2
+    (ZeRO-2) with one unit per block. Both follow the uninterrupted run (fp32, 1e-6)."""
+    out, losses = ref
+    merged = tmp_path / "merged"
+    codes, logs = train_ranks(["--resume", str(ckpt_dir(out, 2)), "--stage", "1", "--bucket-mb",
+                               "1", "--save-every", "1", "--out", str(merged), "--no-allocator"],
+                              3, tmp_path)
+    assert codes == [0] * 3, logs
+    got = rank_json(merged, 1)
+    assert [u["name"] for u in got["units"]] == ["root", "block.0-1"]
+    assert got["losses"] == pytest.approx(losses[2:], abs=1e-6, rel=0)
+    meta = json.loads((ckpt_dir(merged, 3, 1) / "meta.json").read_text())
+    assert [u["name"] for u in meta["units"]] == ["root", "block.0-1"]
+    codes, logs = train_ranks(["--resume", str(ckpt_dir(merged, 3, 1)), "--stage", "2", "--out",
+                               str(tmp_path / "split"), "--no-allocator"], 2, tmp_path)
+    assert codes == [0] * 2, logs
+    got = rank_json(tmp_path / "split", 2)
+    assert [u["name"] for u in got["units"]] == ["root", "block.0", "block.1"]
+    assert got["start_step"] == 3
+    assert got["losses"] == pytest.approx(losses[3:], abs=1e-6, rel=0)
+
+
 # --- kill during a save ------------------------------------------------------------------------
 @pytest.mark.timeout(150)
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(ref, tmp_path):

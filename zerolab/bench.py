@@ -22,6 +22,9 @@ sampling, idle and absent (`meter_cost`).
 All systems run fp32 on CPU (torch DDP's bf16 mixed precision needs CUDA events). With
 --link-gbps only zerolab's systems run: the emulator sits in zerolab's Comm, torch's collectives
 do not pass through it. On a shared machine the figures are noisy: read the spread.
+Gradient bucket size: `--bucket-mb MB` for every zerolab DDP / ZeRO-1 / ZeRO-2 system, or a
+system named NAME@MB (e.g. `--systems zerolab-ddp,zerolab-ddp@4,zerolab-ddp@25,torch-ddp`) to
+interleave several bucket sizes in one run (MiB, as torch DDP's bucket_cap_mb, default 25).
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from .comm import Comm
 from .data import get_batch, load_tokens, rank_slice
 from .memory import MemoryMeter
 from .model import GPT, PRESETS, get_config
+from .preflight import check_finite
 from .sharding import storage_bytes
 from .zero3 import DEFAULT_PREFETCH
 
@@ -47,6 +51,21 @@ ZEROLAB = {"zerolab-ddp": (0, None), "zerolab-zero1": (1, None), "zerolab-zero2"
            "zerolab-zero3": (3, DEFAULT_PREFETCH), "zerolab-zero3-noprefetch": (3, 0)}
 TORCH = ("torch-ddp", "torch-ddp-zero", "fsdp2-reshard", "fsdp2-noreshard")
 SYSTEMS = (*ZEROLAB, *TORCH)
+
+
+def split_system(name: str) -> tuple[str, float | None]:
+    """"zerolab-ddp@4" -> ("zerolab-ddp", 4.0): a zerolab stage 0-2 system with a 4 MiB bucket
+    cap; "zerolab-ddp" -> ("zerolab-ddp", None). ValueError (one line) for a bad name or cap."""
+    base, at, mb = name.partition("@")
+    if base not in SYSTEMS:
+        raise ValueError(f"system {name!r} is not one of {', '.join(SYSTEMS)} "
+                         "(zerolab-ddp/zero1/zero2 may end in @MB, a bucket cap in MiB)")
+    if not at:
+        return base, None
+    if base not in ZEROLAB or ZEROLAB[base][0] == 3:
+        raise ValueError(f"system {name!r}: only zerolab-ddp, zerolab-zero1 and zerolab-zero2 "
+                         "take a bucket cap @MB")
+    return base, check_finite(f"system {name!r}: bucket cap", mb, positive=True)
 
 
 def _local(t):
@@ -62,9 +81,11 @@ class System:
         model = GPT(cfg)
         adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
         self.strategy, self.optimizer = None, None
-        if name in ZEROLAB:
-            stage, prefetch = ZEROLAB[name]
-            kwargs = {"prefetch": prefetch} if stage == 3 else {}
+        base, bucket_mb = split_system(name)
+        if base in ZEROLAB:
+            stage, prefetch = ZEROLAB[base]
+            kwargs = {"prefetch": prefetch} if stage == 3 else {
+                "bucket_mb": bucket_mb if bucket_mb is not None else args.bucket_mb}
             self.strategy = STRATEGIES[stage](model, comm, max_grad_norm=0.0, **kwargs, **adamw)
             self.model = model
             return
@@ -269,6 +290,8 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=8, help="global batch (rows)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="gradient bucket cap of zerolab stage 0-2 systems, MiB (NAME@MB: per system)")
     p.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
     p.add_argument("--link-latency-us", type=float, default=None)
     p.add_argument("--out", default="runs/bench")
@@ -281,11 +304,12 @@ def parse_systems(text: str, link: bool) -> list[str]:
     """"zerolab-ddp,torch-ddp" -> list; ValueError names an unknown system."""
     names = [s.strip() for s in text.split(",") if s.strip()]
     for s in names:
-        if s not in SYSTEMS:
-            raise ValueError(f"system {s!r} is not one of {', '.join(SYSTEMS)}")
+        split_system(s)
+    if len(set(names)) < len(names):
+        raise ValueError(f"--systems {text!r} names a system twice")
     if not names:
         raise ValueError("--systems is empty")
-    return [s for s in names if s in ZEROLAB] if link else names
+    return [s for s in names if split_system(s)[0] in ZEROLAB] if link else names
 
 
 def check_args(args, world_size: int) -> list[str]:
@@ -299,6 +323,8 @@ def check_args(args, world_size: int) -> list[str]:
     if args.batch_size % world_size:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size {world_size}")
     linkemu.from_args(args.link_gbps, args.link_latency_us, world_size)
+    if getattr(args, "bucket_mb", None) is not None:
+        check_finite("--bucket-mb", args.bucket_mb, positive=True)
     systems = parse_systems(args.systems, args.link_gbps is not None)
     if getattr(args, "meter_cost", False) and not set(systems) & set(METER_STAGES):
         raise ValueError(f"--meter-cost times {', '.join(METER_STAGES)}: --systems "
@@ -352,6 +378,7 @@ def run(args) -> dict | None:
                            else None)
     return {"preset": args.preset, "world_size": n, "rounds": args.rounds, "warmup": args.warmup,
             "batch_size": args.batch_size, "precision": "fp32", "backend": dist.get_backend(),
+            "bucket_mb": args.bucket_mb,
             "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
                      if args.link_gbps else None), "rows": rows}
 
@@ -361,7 +388,9 @@ def format_table(summary: dict) -> str:
     link = summary["link"]
     lines = [f"{summary['preset']} GPT, {summary['world_size']} ranks, {summary['backend']}, fp32, "
              f"{summary['rounds']} rounds (median, min-max of the slowest rank)"
-             + (f", emulated link {link['gbps']} Gb/s + {link['latency_us']} us" if link else ""),
+             + (f", emulated link {link['gbps']} Gb/s + {link['latency_us']} us" if link else "")
+             + (f", zerolab buckets {summary['bucket_mb']:g} MiB" if summary.get("bucket_mb")
+                else ""),
              f"{'system':<24}{'median ms':>10}{'min-max ms':>16}{'x torch DDP':>12}{'x FSDP2':>9}"
              f"{'states MB':>11}{'peak MB':>9}{'moved MB':>10}{'colls':>7}"]
     for r in summary["rows"]:

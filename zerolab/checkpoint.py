@@ -66,6 +66,9 @@ RUNTIME_CONFIG = ("activation_checkpointing",)   # GPTConfig fields that change 
 # options a resumed run takes from the checkpoint unless given on its command line
 RESUMED_ARGS = ("stages", "steps", *MODEL_ARGS, "batch_size", "grad_accum", "precision", "lr",
                 "weight_decay", "max_grad_norm", "seed", "data", "zero1_grad_op")
+# not resumed: --bucket-mb (the unit layout). It changes no result, and the state is reloaded
+# through logical per-parameter tensors, so a run resumes with any bucket size (default: one
+# bucket per block), as with any world size.
 
 
 def param_names(model) -> dict[int, str]:

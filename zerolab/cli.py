@@ -35,7 +35,7 @@ class HELP(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 TRAIN_FLAGS = ("preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
                "zero1_grad_op", "lr", "max_grad_norm", "seed", "data", "timeout", "link_gbps",
-               "link_latency_us", "zero3_prefetch_depth", "weight_decay", "grad_dtype")
+               "link_latency_us", "zero3_prefetch_depth", "weight_decay", "grad_dtype", "bucket_mb")
 
 
 def _number(positive: bool = False):
@@ -94,6 +94,10 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
     p.add_argument("--link-gbps", type=float, default=None,
                    help="emulate a link of this many Gb/s per rank (gloo): see zerolab/linkemu.py")
     p.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
+    p.add_argument("--bucket-mb", type=_positive_float, default=None,
+                   help="DDP / ZeRO-1 / ZeRO-2: gradient bucket cap in MiB (torch DDP's "
+                   "bucket_cap_mb): consecutive blocks share one collective (default: one "
+                   "bucket per block; ZeRO-3 ignores it)")
     p.add_argument("--zero3-prefetch-depth", type=int, default=None,
                    help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all)")
     p.add_argument("--zero3-keep-root", action="store_true",
@@ -148,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--rounds", type=int, default=7, help="timed rounds (one step of every system each)")
     be.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     be.add_argument("--batch-size", type=int, default=8, help="global batch in rows")
+    be.add_argument("--bucket-mb", type=_positive_float, default=None,
+                    help="gradient bucket cap in MiB of zerolab-ddp/zero1/zero2 (default: one "
+                    "bucket per block); a system NAME@MB overrides it, e.g. zerolab-ddp@4")
     be.add_argument("--link-gbps", type=float, default=None, help="emulated link (zerolab systems only)")
     be.add_argument("--link-latency-us", type=float, default=None, help="emulated α, us per ring step")
     be.add_argument("--out", default="runs/bench", help="writes OUT/bench.json")
@@ -243,7 +250,7 @@ def cmd_bench(args) -> int:
     argv = ["--preset", args.preset, "--systems", args.systems, "--rounds", str(args.rounds),
             "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--out", args.out]
     argv += ["--meter-cost"] if args.meter_cost else []
-    for flag in ("link_gbps", "link_latency_us"):
+    for flag in ("link_gbps", "link_latency_us", "bucket_mb"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     print(f"zerolab bench: {args.nproc} gloo rank(s), preset {args.preset}", flush=True)

@@ -255,29 +255,28 @@ class _Replay:
 
 def merge_units(units: list[Unit], bucket_numel: float) -> list[Unit]:
     """Merge consecutive blocks into gradient buckets of at most `bucket_numel` elements (a
-    block larger than the cap stays alone; the root is never merged). Names become
+    block larger than the cap stays alone; the root is never merged), grouped by
+    `theory.bucket_groups` as the strategies' `--bucket-mb` groups them. Names become
     "block.0-2"; compute times add up. A bucket's collective is issued when its last block's
     backward ends, so fewer, larger collectives pay fewer α's but start later."""
     if not bucket_numel > 0:
         raise ValueError(f"bucket_numel {bucket_numel!r} must be > 0")
     out: list[Unit] = []
-    group: list[Unit] = []
+    run: list[Unit] = []
 
     def close():
-        if group:
-            first, last = group[0].name, group[-1].name.rsplit(".", 1)[-1]
-            out.append(Unit(first if len(group) == 1 else f"{first}-{last}",
+        for idx in theory.bucket_groups([u.numel for u in run], bucket_numel):
+            group = [run[i] for i in idx]
+            out.append(Unit(theory.bucket_name([u.name for u in group]),
                             sum(u.numel for u in group), sum(u.fwd_s for u in group),
                             sum(u.bwd_s for u in group)))
-            group.clear()
+        run.clear()
     for u in units:
         if u.name == "root":
             close()
             out.append(u)
-            continue
-        if group and sum(g.numel for g in group) + u.numel > bucket_numel:
-            close()
-        group.append(u)
+        else:
+            run.append(u)
     close()
     return out
 

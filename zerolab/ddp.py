@@ -18,9 +18,9 @@ import contextlib
 import torch
 
 from .optim import make_flat_optimizer
-from .sharding import (GradReady, adam_state, build_units, check_all_used, check_trainable,
-                       clip_grad_norm_, fp32_grads, global_used, grad_copies, optimizer_states,
-                       set_adam_state, write_back)
+from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
+                       check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
+                       optimizer_states, set_adam_state, write_back)
 
 
 def all_reduce_bucket(comm, unit, world_size: int):
@@ -37,14 +37,19 @@ class DDP:
     stage = 0
 
     def __init__(self, model, comm, *, max_grad_norm=0.0, find_unused_parameters=False,
-                 grad_dtype=None, meter=None, **adamw):
+                 grad_dtype=None, bucket_mb=None, meter=None, **adamw):
         """find_unused_parameters: allow parameters that get no gradient in a step (torch DDP's
         flag; costs one all_reduce of a flag per parameter a step). grad_dtype: dtype of the
-        gradient buffers (default: the parameters'; torch.float32 = Megatron's fp32 grads)."""
+        gradient buffers (default: the parameters'; torch.float32 = Megatron's fp32 grads).
+        bucket_mb: gradient bucket cap in MiB (2**20 bytes of gradients; torch DDP's
+        bucket_cap_mb): consecutive blocks share one all_reduce while their gradients fit
+        (fewer collectives, each starting later in backward); None: one bucket per block."""
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused = find_unused_parameters
-        self.units = build_units(model, comm.world_size, comm.rank)
+        self.bucket_mb = bucket_mb
+        self.units = build_units(model, comm.world_size, comm.rank,
+                                 bucket_numel(bucket_mb, model, grad_dtype))
         for u in self.units:
             # --- params: full bf16 copy on every rank ---------------------------------------
             u.param_flat = u.flatten()                          # [Ψ_u] bf16, replicated

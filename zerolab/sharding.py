@@ -10,7 +10,9 @@ parameters are read back, so it never reaches results, norms or saved state.
 
 Units come from `model.zero_units()` (a list of (name, module)); parameters that belong to no
 unit, or to more than one (tied embedding and head), form the "root" unit, which stays gathered
-for a whole forward (or backward) pass, like FSDP's root module.
+for a whole forward (or backward) pass, like FSDP's root module. With a bucket cap (`bucket_mb`
+of DDP / ZeRO-1 / ZeRO-2, torch DDP's bucket_cap_mb) consecutive blocks share one unit, named
+"block.0-2": one collective per bucket instead of one per block (`theory.bucket_groups`).
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ import functools
 import math
 
 import torch
+
+from . import theory
+from .preflight import check_finite
 
 ROOT = "root"
 
@@ -36,13 +41,19 @@ class FlatUnit:
     """The trainable parameters of one unit, flattened and padded for `world_size` ranks.
 
     params: list of nn.Parameter. The flat order is the list order.
-    Attributes: numel (Ψ_u), padded_numel (multiple of world_size), shard_numel (= padded/N),
-    start (first element of this rank's range), offsets (element offset of each param).
+    module: the unit's block (None: the root unit), or a list of blocks in forward order (a
+    bucket of several). Attributes: modules (that list; [] for the root), module (the last
+    block in forward order: its backward runs first, so its pre-backward hook is where the
+    unit's backward begins), numel (Ψ_u), padded_numel (multiple of world_size), shard_numel
+    (= padded/N), start (first element of this rank's range), offsets (element offset of each
+    param).
     """
 
     def __init__(self, name: str, params: list, world_size: int, rank: int, module=None,
                  names=None):
-        self.name, self.params, self.module = name, list(params), module
+        self.modules = (list(module) if isinstance(module, (list, tuple))
+                        else [] if module is None else [module])
+        self.name, self.params, self.module = name, list(params), (self.modules or [None])[-1]
         self.names = list(names) if names is not None else [f"{name}[{i}]" for i in range(len(params))]
         self.decay = [decays(p) for p in self.params]      # parameter groups (zerolab.optim)
         self.used = [False] * len(self.params)  # got a gradient in some micro-step of this step
@@ -121,10 +132,14 @@ class FlatUnit:
         return max(0, end - max(self.start, self.numel))
 
 
-def build_units(model: torch.nn.Module, world_size: int, rank: int) -> list[FlatUnit]:
+def build_units(model: torch.nn.Module, world_size: int, rank: int,
+                bucket_numel: int | None = None) -> list[FlatUnit]:
     """Split `model`'s trainable parameters into FlatUnits: the root unit first, then one per
     module of `model.zero_units()` in forward order. Frozen parameters are left out (they stay
-    replicated and untouched). Tied parameters appear once (in the root unit)."""
+    replicated and untouched). Tied parameters appear once (in the root unit).
+    bucket_numel: merge consecutive blocks into one unit while it holds <= bucket_numel
+    elements (a larger block stays alone; the root is never merged; `theory.bucket_groups`),
+    named "block.0-2"; None: one unit per block."""
     named_units = list(model.zero_units()) if hasattr(model, "zero_units") else []
     owners: dict[int, list[str]] = {}
     for name, module in named_units:
@@ -139,10 +154,28 @@ def build_units(model: torch.nn.Module, world_size: int, rank: int) -> list[Flat
         (per_unit[names[0]] if len(names) == 1 else root).append((pname, p))
     units = [FlatUnit(ROOT, [p for _, p in root], world_size, rank,
                       names=[n for n, _ in root])] if root else []
-    units += [FlatUnit(name, [p for _, p in per_unit[name]], world_size, rank, module,
-                       names=[n for n, _ in per_unit[name]])
-              for name, module in named_units if per_unit[name]]
+    blocks = [(name, module) for name, module in named_units if per_unit[name]]
+    numels = [sum(p.numel() for _, p in per_unit[name]) for name, _ in blocks]
+    for idx in theory.bucket_groups(numels, bucket_numel):
+        group = [blocks[i] for i in idx]
+        named = [pair for name, _ in group for pair in per_unit[name]]
+        units.append(FlatUnit(theory.bucket_name([name for name, _ in group]),
+                              [p for _, p in named], world_size, rank,
+                              [m for _, m in group] if len(group) > 1 else group[0][1],
+                              names=[n for n, _ in named]))
     return units
+
+
+def bucket_numel(bucket_mb: float | None, model: torch.nn.Module, grad_dtype=None) -> int | None:
+    """Gradient elements in a bucket of `bucket_mb` MiB (2**20 bytes: torch DDP's bucket_cap_mb
+    unit) for `build_units`: gradients are `grad_dtype` (default: `model`'s parameters' dtype),
+    so 1 MiB holds 262,144 fp32 or 524,288 bf16 gradients. None stays None (one bucket per
+    block). Raises ValueError (one line) unless bucket_mb is a finite number > 0."""
+    if bucket_mb is None:
+        return None
+    mb = check_finite("bucket_mb", bucket_mb, positive=True)
+    dtype = grad_dtype or next(iter(model.parameters())).dtype
+    return max(1, int(mb * theory.MIB // torch.empty(0, dtype=dtype).element_size()))
 
 
 def decays(p: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ and nccl-tests' PERFORMANCE.md for the ring-algorithm byte counts and busbw fact
 from __future__ import annotations
 
 import math
+import numbers
 
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -182,6 +183,49 @@ def busbw(op: str, size_bytes: float, seconds: float, group_size: int) -> float:
 def padded_numel(numel: int, world_size: int) -> int:
     """numel rounded up to a multiple of world_size, so that every rank's shard has equal size."""
     return math.ceil(numel / world_size) * world_size
+
+
+# --- gradient buckets: which blocks share one collective (sharding.build_units, costmodel) ---
+MIB = 2**20     # bytes in a MiB: `bucket_mb` counts MiB, as torch DDP's bucket_cap_mb does
+
+
+def bucket_groups(numels, bucket_numel: float | None = None) -> list[list[int]]:
+    """Group consecutive blocks into gradient buckets: indices into `numels` (elements per
+    block, forward order), one list per bucket. A bucket takes the next block while its total
+    stays <= `bucket_numel` elements; a block larger than the cap gets a bucket of its own.
+    None: one bucket per block (zerolab's default). Raises ValueError unless bucket_numel is a
+    finite number > 0. Used by the strategies (sharding.build_units) and the cost model
+    (costmodel.merge_units), so both group the same blocks."""
+    if bucket_numel is None:
+        return [[i] for i in range(len(numels))]
+    if isinstance(bucket_numel, bool) or not (isinstance(bucket_numel, numbers.Real)
+                                              and 0 < bucket_numel < math.inf):
+        raise ValueError(f"bucket_numel {bucket_numel!r} must be a finite number > 0 (elements)")
+    groups, total = [], 0
+    for i, numel in enumerate(numels):
+        if groups and total + numel <= bucket_numel:
+            groups[-1].append(i)
+            total += numel
+        else:
+            groups.append([i])
+            total = numel
+    return groups
+
+
+def bucket_name(names: list[str]) -> str:
+    """"block.0" for one block, "block.0-2" for blocks block.0 .. block.2 merged."""
+    return names[0] if len(names) == 1 else f"{names[0]}-{names[-1].rsplit('.', 1)[-1]}"
+
+
+def zero2_bucket_peak_bytes(bucket_numels, root_numel: int = 0, grad_bytes: int = 2) -> int:
+    """Peak bytes of ZeRO-2's full-gradient buckets in one backward (the meter's grad_buckets):
+    the root bucket (open for the whole backward) plus the largest sum of three consecutive
+    block buckets - two reduce_scatters in flight and one filling (zero2.py keeps at most two
+    in flight). bucket_numels: padded elements of each block bucket, in forward order;
+    grad_bytes: bytes per gradient element (2 bf16, 4 fp32). Bigger buckets: a bigger peak."""
+    b = list(bucket_numels)
+    three = max((sum(b[i:i + 3]) for i in range(max(len(b) - 2, 1))), default=0)
+    return (root_numel + three) * grad_bytes
 
 
 def memory_table(psi: float, world_size: int, precision: str = "bf16",

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="allow parameters that get no gradient in a step (torch DDP's flag)")
     p.add_argument("--zero1-grad-op", default="all_reduce", choices=theory.ZERO1_GRAD_OPS)
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="DDP / ZeRO-1 / ZeRO-2: gradient bucket cap in MiB (torch DDP's "
+                   "bucket_cap_mb); consecutive blocks share a bucket (default: one per block; "
+                   "ZeRO-3 ignores it: it gathers one block at a time)")
     p.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="ZeRO-3: gather the next block while the current one computes (the "
                    "default); --no-zero3-prefetch: one block at a time, the notes' picture")
@@ -138,6 +142,8 @@ def check_args(args, world_size: int):
     check_finite("--max-grad-norm", args.max_grad_norm)
     check_finite("--weight-decay", getattr(args, "weight_decay", 0.0), minimum=0)
     check_seed(args.seed)
+    if getattr(args, "bucket_mb", None) is not None:
+        check_finite("--bucket-mb", args.bucket_mb, positive=True)
     depth = getattr(args, "zero3_prefetch_depth", None)
     if depth is not None and depth < -1:
         raise ValueError(f"--zero3-prefetch-depth {depth} must be >= 0, or -1 (all blocks)")
@@ -196,6 +202,8 @@ def make_strategy(stage, model, comm, args, meter):
                   weight_decay=args.weight_decay,
                   find_unused_parameters=getattr(args, "find_unused_parameters", False),
                   grad_dtype=DTYPES[args.grad_dtype] if getattr(args, "grad_dtype", None) else None)
+    if stage in (0, 1, 2):
+        kwargs["bucket_mb"] = getattr(args, "bucket_mb", None)
     if stage == 1:
         kwargs["grad_op"] = args.zero1_grad_op
     if stage == 3:
@@ -357,6 +365,7 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "grad_dtype": gd or args.precision,
         "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
+        "bucket_mb": getattr(args, "bucket_mb", None) if stage in (0, 1, 2) else None,
         "zero3_prefetch": zero3_prefetch_depth(args) if stage == 3 else None,
         "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
         "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
@@ -503,6 +512,9 @@ def main(argv=None) -> int:
             if notes and int(os.environ["RANK"]) == 0:
                 print(f"zerolab.train: resuming with {', '.join(notes)}", flush=True)
         cfg = check_args(args, world_size)
+        if args.bucket_mb is not None and 3 in args.stage_list and int(os.environ["RANK"]) == 0:
+            print("zerolab.train: --bucket-mb applies to stages 0-2; ZeRO-3 keeps one unit per "
+                  "block (it gathers one block at a time)", flush=True)
         check_device(args)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
         link = linkemu.from_args(args.link_gbps, args.link_latency_us, world_size)

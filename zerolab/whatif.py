@@ -71,13 +71,16 @@ def fake_world(world_size: int, rank: int = 0):
 
 
 def rank_report(stage: int, model: torch.nn.Module, comm: Comm, *, precision="bf16",
-                tokens: int = 1, zero3_prefetch=False, zero1_grad_op="all_reduce") -> dict:
+                tokens: int = 1, zero3_prefetch=False, zero1_grad_op="all_reduce",
+                bucket_mb: float | None = None) -> dict:
     """Run one training step of `stage` on `model` (meta or real) with `comm`; return what rank
     holds after the step (bytes by state), its peak within the step, and its ledger's bytes.
 
-    tokens: the sequence length of the single row fed through (meta: no cost)."""
+    tokens: the sequence length of the single row fed through (meta: no cost). bucket_mb:
+    gradient bucket cap in MiB for stages 0-2 (None: one bucket per block; stage 3 ignores it)."""
     kwargs = {"prefetch": zero3_prefetch} if stage == 3 else (
-        {"grad_op": zero1_grad_op} if stage == 1 else {})
+        {"grad_op": zero1_grad_op, "bucket_mb": bucket_mb} if stage == 1
+        else {"bucket_mb": bucket_mb})
     meter = _MetaMeter()
     comm.records.clear()
     comm.step = 0
@@ -100,6 +103,7 @@ def rank_report(stage: int, model: torch.nn.Module, comm: Comm, *, precision="bf
             "traffic_per_step": {op: b for op, b in comm.bytes_by_op(step=0).items()
                                  if op != "broadcast"},
             "collectives_per_step": sum(r.what in ("grads", "params") for r in comm.records),
+            "grad_collectives_per_step": sum(r.what == "grads" for r in comm.records),
             "units": [(u.name, u.numel) for u in strategy.units]}
 
 

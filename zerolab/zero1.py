@@ -20,9 +20,9 @@ import contextlib
 import torch
 
 from .optim import make_flat_optimizer
-from .sharding import (GradReady, adam_state, build_units, check_all_used, check_trainable,
-                       clip_grad_norm_, fp32_grads, global_used, grad_copies, optimizer_states,
-                       set_adam_state, write_back)
+from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
+                       check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
+                       optimizer_states, set_adam_state, write_back)
 
 
 # --- the two halves of the sharded update (exercise (c): `zerolab check zero1 --impl FILE`) ----
@@ -45,14 +45,20 @@ class ZeRO1:
     stage = 1
 
     def __init__(self, model, comm, *, grad_op="all_reduce", max_grad_norm=0.0,
-                 find_unused_parameters=False, grad_dtype=None, meter=None, **adamw):
+                 find_unused_parameters=False, grad_dtype=None, bucket_mb=None, meter=None,
+                 **adamw):
+        """grad_op: the gradient collective, "all_reduce" (the notes') or "reduce_scatter".
+        bucket_mb: gradient bucket cap in MiB (torch DDP's bucket_cap_mb; see DDP); None: one
+        bucket per block. The rest as in DDP."""
         if grad_op not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"grad_op {grad_op!r} is not one of 'all_reduce', 'reduce_scatter'")
         self.grad_op = grad_op
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused = find_unused_parameters
-        self.units = build_units(model, comm.world_size, comm.rank)
+        self.bucket_mb = bucket_mb
+        self.units = build_units(model, comm.world_size, comm.rank,
+                                 bucket_numel(bucket_mb, model, grad_dtype))
         for u in self.units:
             # --- params: full bf16 copy on every rank ---------------------------------------
             u.param_flat = u.flatten()                          # [Ψ_u] bf16, replicated

@@ -5,8 +5,9 @@ weights. In backward, just before a block's backward runs, a bucket for its full
 is allocated; as soon as the block's gradients are in it, the bucket is reduce-scattered and
 freed, so each rank keeps only the averaged gradient of its own range. Full gradient alive at
 once: the root bucket (tied embedding/head, open for the whole backward) plus at most three block
-buckets (two reducing, one filling) - whatever the depth of the model. The update is ZeRO-1's: own range, then
-all_gather. Per rank: 2Ψ + (2Ψ + 12Ψ)/N bytes (3.75Ψ at N = 8); traffic 2(n-1)/n·2Ψ a step.
+buckets (two reducing, one filling) - whatever the depth of the model; with `bucket_mb` a bucket
+holds several consecutive blocks, so fewer reduce_scatters and a higher peak
+(`theory.zero2_bucket_peak_bytes`). The update is ZeRO-1's: own range, then all_gather. Per rank: 2Ψ + (2Ψ + 12Ψ)/N bytes (3.75Ψ at N = 8); traffic 2(n-1)/n·2Ψ a step.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 2 --preset tiny --steps 3
 
@@ -20,9 +21,9 @@ import contextlib
 import torch
 
 from .optim import make_flat_optimizer
-from .sharding import (GradReady, adam_state, build_units, check_all_used, check_trainable,
-                       clip_grad_norm_, fp32_grads, global_used, grad_copies, on_pre_backward,
-                       optimizer_states, set_adam_state, write_back)
+from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
+                       check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
+                       on_pre_backward, optimizer_states, set_adam_state, write_back)
 
 
 def reduce_scatter_bucket(comm, unit, world_size: int):
@@ -48,12 +49,17 @@ class ZeRO2:
     stage = 2
 
     def __init__(self, model, comm, *, max_grad_norm=0.0, find_unused_parameters=False,
-                 grad_dtype=None, meter=None, **adamw):
+                 grad_dtype=None, bucket_mb=None, meter=None, **adamw):
+        """bucket_mb: gradient bucket cap in MiB (torch DDP's bucket_cap_mb; see DDP): a bucket
+        of several blocks opens when the first of them starts its backward and is
+        reduce-scattered when all are done; None: one bucket per block. The rest as in DDP."""
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
         self.handles = []
-        self.units = build_units(model, comm.world_size, comm.rank)
+        self.bucket_mb = bucket_mb
+        self.units = build_units(model, comm.world_size, comm.rank,
+                                 bucket_numel(bucket_mb, model, grad_dtype))
         for u in self.units:
             # --- params: full bf16 copy on every rank ---------------------------------------
             u.param_flat = u.flatten()                          # [Ψ_u] bf16, replicated
@@ -63,8 +69,10 @@ class ZeRO2:
                                        device=u.param_flat.device)   # [Ψ_u/N] bf16
             # --- optimizer state: this rank's range only -----------------------------------
             u.master = u.own(u.param_flat).float().clone()      # [Ψ_u/N] fp32 master shard
-            if u.module is not None:
-                self.handles.append(on_pre_backward(u.module, lambda u=u: self._open_bucket(u)))
+            # the bucket opens when the unit's backward begins: at its last block's pre-backward
+            # (every block's hook can open it: that block may be skipped on this rank)
+            self.handles += [on_pre_backward(m, lambda u=u: self._open_bucket(u))
+                             for m in reversed(u.modules)]
         self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
         self.inflight = []
         self.ready = GradReady(self.units, self._grads_ready)
@@ -92,6 +100,8 @@ class ZeRO2:
         self._sample("backward done")
 
     def _open_bucket(self, u):
+        if u.bucket is not None:            # open already (another block of this bucket)
+            return
         u.bucket = torch.zeros_like(u.param_flat, dtype=self.grad_dtype)  # [Ψ_u] bf16, transient
         u.bind_grads(u.bucket)
         self._sample(f"bucket {u.name}")
