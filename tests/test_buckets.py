@@ -15,7 +15,7 @@ from conftest import global_batch, make_model, run_ranks
 from zerolab import bench, costmodel, testing, theory, train
 from zerolab.model import GPT, get_config
 from zerolab.sharding import bucket_numel, build_units
-from zerolab.testing import LR, WD, freeze, max_param_diff, trigger
+from zerolab.testing import LR, WD, max_param_diff, train_job
 
 STEPS = 5
 VARIANTS = [(0, None), (1, "all_reduce"), (1, "reduce_scatter"), (2, None)]
@@ -53,7 +53,6 @@ def _worker(rank, n):
 
     out = {}
     for key, job in JOBS.items():
-        A, per = job["grad_accum"], job["rows_per_micro"]
         for stage, grad_op in VARIANTS:
             model = make_model(job["model"])
             comm = Comm()
@@ -61,19 +60,7 @@ def _worker(rank, n):
                           find_unused_parameters=job.get("find_unused", False),
                           bucket_mb=job["bucket_mb"], **({"grad_op": grad_op} if grad_op else {}))
             s = STRATEGIES[stage](model, comm, **kwargs)
-            losses, norms = [], []
-            for step in range(STEPS):
-                comm.step = step
-                freeze(model, job, step)
-                x, y = global_batch(model, step, n * A * per, trigger=trigger(job, step))
-                local = 0.0
-                for micro in range(A):
-                    rows = slice((rank * A + micro) * per, (rank * A + micro + 1) * per)
-                    loss = s.forward(x[rows], y[rows])
-                    s.backward(loss / A, sync=micro == A - 1)
-                    local += loss.item() / A
-                losses.append(local)
-                norms.append(float(s.step()))
+            losses, norms = train_job(s, model, job, rank, n, STEPS)
             last = [r for r in comm.records if r.step == STEPS - 1]
             out[key, stage, grad_op] = {
                 "losses": losses, "norms": norms, "params": s.full_parameters(),

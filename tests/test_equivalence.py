@@ -12,7 +12,7 @@ import torch
 
 from conftest import global_batch, make_model, run_ranks
 from zerolab import testing
-from zerolab.testing import LR, WD, freeze, max_param_diff, trigger  # noqa: F401 - shared
+from zerolab.testing import LR, WD, freeze, max_param_diff, train_job, trigger  # noqa: F401 - shared
 
 STEPS = 5
 VARIANTS = [(0, None), (1, "all_reduce"), (1, "reduce_scatter"), (2, None), (3, None),
@@ -31,7 +31,6 @@ def train_worker(rank, n, jobs):
 
     out = []
     for job in jobs:
-        A, per = job["grad_accum"], job["rows_per_micro"]
         results = {}
         for stage, grad_op in VARIANTS:
             model = make_model(job["model"]).to(DTYPES[job["precision"]])
@@ -43,19 +42,7 @@ def train_worker(rank, n, jobs):
             elif grad_op:
                 kwargs["grad_op"] = grad_op
             s = STRATEGIES[stage](model, comm, **kwargs)
-            losses, norms = [], []
-            for step in range(STEPS):
-                comm.step = step
-                freeze(model, job, step)
-                x, y = global_batch(model, step, n * A * per, trigger=trigger(job, step))
-                local = 0.0
-                for micro in range(A):
-                    rows = slice((rank * A + micro) * per, (rank * A + micro + 1) * per)
-                    loss = s.forward(x[rows], y[rows])
-                    s.backward(loss / A, sync=micro == A - 1)
-                    local += loss.item() / A
-                losses.append(local)
-                norms.append(float(s.step()))
+            losses, norms = train_job(s, model, job, rank, n, STEPS)
             results[(stage, grad_op)] = {"losses": losses, "norms": norms,
                                          "params": s.full_parameters(),
                                          "units": {u.name: (u.numel, u.padded_numel)

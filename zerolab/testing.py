@@ -348,6 +348,27 @@ def reference(job: dict, n: int, steps: int, history: bool = False) -> dict:
     return out
 
 
+def train_job(strategy, model, job: dict, rank: int, n: int, steps: int) -> tuple[list, list]:
+    """The distributed side of `reference`: `steps` optimizer steps of `strategy` on this rank's
+    rows of the same global batches (grad_accum micro-steps of rows_per_micro rows each, the
+    last one synchronising). Returns (this rank's loss per step, the step's gradient norm)."""
+    A, per = job["grad_accum"], job["rows_per_micro"]
+    losses, norms = [], []
+    for step in range(steps):
+        strategy.comm.step = step
+        freeze(model, job, step)
+        x, y = global_batch(model, step, n * A * per, trigger=trigger(job, step))
+        local = 0.0
+        for micro in range(A):
+            rows = slice((rank * A + micro) * per, (rank * A + micro + 1) * per)
+            loss = strategy.forward(x[rows], y[rows])
+            strategy.backward(loss / A, sync=micro == A - 1)
+            local += loss.item() / A
+        losses.append(local)
+        norms.append(float(strategy.step()))
+    return losses, norms
+
+
 def max_param_diff(a: dict, b: dict) -> float:
     """Largest |a - b| over every element of every parameter (same names on both sides)."""
     assert a.keys() == b.keys()
