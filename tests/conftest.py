@@ -45,3 +45,12 @@ def run_zerolab(args: list[str], timeout: float = 150) -> subprocess.CompletedPr
         out, err = proc.communicate()
         pytest.fail(f"zerolab {' '.join(args)} timed out after {timeout} s\n{out}\n{err}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def sigint_default():
+    """Popen's preexec_fn for a child that must react to Ctrl-C: SIGINT back to its default.
+    A shell without job control (a CI script started in the background, `cmd &`) starts its
+    children with SIGINT ignored, they inherit it, and Python then installs no KeyboardInterrupt
+    handler: the child would sleep through the SIGINT a test sends, as a terminal's or Jupyter's
+    process never does."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

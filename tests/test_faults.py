@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import sigint_default
+
 LAUNCHER = textwrap.dedent("""
     import sys
     from zerolab.launch import LaunchError, run_torchrun
@@ -230,7 +232,8 @@ def test_interrupting_zerolab_labs_stops_the_whole_run(tmp_path, sig):
         (books / name).write_text(json.dumps(SLOW_LAB))
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", LABS_DRIVER, str(books), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=sigint_default)
     seen = []
     for line in proc.stdout:
         seen.append(line)

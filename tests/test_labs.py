@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import sigint_default
 from zerolab.labs import LabParameterError, check_parameters
 
 
@@ -75,7 +76,7 @@ def test_interrupt_stops_every_rank(tmp_path, sig, says):
             raise SystemExit(3)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=sigint_default)
     seen = []
     for line in proc.stdout:                 # wait until the ranks are training
         seen.append(line)
