@@ -168,3 +168,24 @@ def test_merged_buckets_issue_fewer_collectives():
     assert len(cm.step_time(0, two, 2, lat).collectives) == 2
     with pytest.raises(ValueError):
         cm.merge_units(THREE, 0)
+
+
+def test_custom_link_values_are_named_as_custom():
+    """A named link with a replaced bandwidth must not be printed as the named link with its
+    datasheet source (a new user read "link ib-ndr ... 100 Gb/s" with the NDR source)."""
+    half = cm.get_link("ib-ndr", gbps=100)
+    assert half.name == "ib-ndr with a custom bandwidth" and half.source.startswith("custom bandwidth")
+    assert half.latency == cm.LINKS["ib-ndr"].latency and half.bandwidth == 100e9 / 8
+    both = cm.get_link("ib-ndr", gbps=100, latency_us=10)
+    assert (both.name, both.source) == ("custom", "custom")
+    assert cm.get_link("ib-ndr") is cm.LINKS["ib-ndr"]
+
+
+@pytest.mark.parametrize("argv, says", [(["--blocks", "1000000"], "blocks 1000000 must be between 1 and 10,000"),
+                                        (["--params", "100", "--blocks", "1000"], "between 1 and 100")])
+def test_zerolab_time_refuses_more_blocks_than_it_can_replay(argv, says, capsys):
+    """--blocks 1e6 ran for minutes and 2.6 GB; 1e11 was killed for memory with no message."""
+    from zerolab import cli
+    assert cli.main(["time", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err

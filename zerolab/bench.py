@@ -11,8 +11,9 @@ slowest rank's. Reported: median step time, spread (min-max over rounds), ratios
 and to FSDP2, model-state bytes per rank between steps, the peak bytes per rank during a step
 (MemTracker over one extra untimed step of every system, the same way for each: the states held
 before it plus activations, gradients, buckets, gathered weights and temporaries; the largest
-over ranks), and bytes and collectives per step counted for every system by one
-TorchDispatchMode that sees c10d ops (demos/fsdp.py's counter, in one extra untimed step).
+over ranks), and bytes and collectives per step (torch's systems counted by a TorchDispatchMode
+that sees c10d ops, demos/fsdp.py's counter; zerolab's by its ledger, which names a gloo
+reduce_scatter as one although it runs as an in-place all_reduce; one extra untimed step).
 `--meter-cost` instead times `zerolab train`'s step of each zerolab stage with the memory meter
 sampling, idle and absent (`meter_cost`).
 
@@ -24,7 +25,9 @@ All systems run fp32 on CPU (torch DDP's bf16 mixed precision needs CUDA events)
 do not pass through it. On a shared machine the figures are noisy: read the spread.
 Gradient bucket size: `--bucket-mb MB` for every zerolab DDP / ZeRO-1 / ZeRO-2 system, or a
 system named NAME@MB (e.g. `--systems zerolab-ddp,zerolab-ddp@4,zerolab-ddp@25,torch-ddp`) to
-interleave several bucket sizes in one run (MiB, as torch DDP's bucket_cap_mb, default 25).
+interleave several bucket sizes in one run (MiB, torch DDP's bucket_cap_mb unit; zerolab's own
+default is one bucket per block). bench writes OUT/bench.json (or OUT/meter_cost.json) and
+replaces an earlier one; it keeps no run manifest (training runs do: runs.py).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import argparse
 import json
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -379,6 +383,7 @@ def run(args) -> dict | None:
     return {"preset": args.preset, "world_size": n, "rounds": args.rounds, "warmup": args.warmup,
             "batch_size": args.batch_size, "precision": "fp32", "backend": dist.get_backend(),
             "bucket_mb": args.bucket_mb,
+            "requested": [s.strip() for s in args.systems.split(",") if s.strip()],
             "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
                      if args.link_gbps else None), "rows": rows}
 
@@ -401,6 +406,18 @@ def format_table(summary: dict) -> str:
                      f"{r['state_bytes'] / 1e6:>11.2f}{r['peak_bytes'] / 1e6:>9.2f}"
                      f"{r['bytes_per_step'] / 1e6:>10.2f}"
                      f"{r['collectives_per_step']:>7}")
+    names = [r["system"] for r in summary["rows"]]
+    lines += textwrap.wrap(
+        "x torch DDP / x FSDP2: median step time over torch-ddp's / fsdp2-reshard's. states: "
+        "model-state bytes per rank between steps; peak: MemTracker's peak during a step "
+        "(activations and temporaries too); moved: per-rank ring bytes per step (nccl-tests "
+        "convention; zerolab's from its ledger, torch's from a c10d counter); colls: "
+        "collectives per step. MB = 1e6 bytes.", 100)
+    if link:
+        skipped = [s for s in summary.get("requested", names) if s not in names]
+        if skipped:
+            lines.append(f"not run with the emulated link (torch's collectives do not pass "
+                         f"through zerolab's Comm): {', '.join(skipped)}")
     return "\n".join(lines)
 
 

@@ -99,7 +99,7 @@ def _add_launch_args(p, stages_default, nproc_default, preset_default, steps_def
                    "bucket_cap_mb): consecutive blocks share one collective (default: one "
                    "bucket per block; ZeRO-3 ignores it)")
     p.add_argument("--zero3-prefetch-depth", type=int, default=None,
-                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all)")
+                   help="ZeRO-3: blocks gathered ahead (0, 1, 2, ...; -1 all; default 1)")
     p.add_argument("--zero3-keep-root", action="store_true",
                    help="ZeRO-3: keep the root unit gathered from forward into backward")
     p.add_argument("--trace", action="store_true",
@@ -128,11 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--blocks", type=int, default=32, help="equal blocks (ZeRO-3 gathers one at a time)")
     tm.add_argument("--link", default="ib-ndr", help="a named link profile (costmodel.LINKS; a wrong name lists them)")
     tm.add_argument("--link-gbps", type=_positive_float, default=None, help="custom bandwidth, Gb/s per rank per direction")
-    tm.add_argument("--link-latency-us", type=float, default=None, help="custom α, us per ring step")
+    tm.add_argument("--link-latency-us", type=float, default=None,
+                    help="custom α, us per ring step (default: the named link's)")
     tm.add_argument("--device", default="h100", help="a named device profile (costmodel.DEVICES)")
     tm.add_argument("--device-tflops", type=_positive_float, default=None, help="custom peak, TFLOP/s")
     tm.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak reached (MFU)")
-    tm.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    tm.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                    help="bytes per gradient and weight on the wire")
 
     wi = sub.add_parser("whatif", formatter_class=HELP, help="one rank of a large world on a fake process group (whatif.py)")
     wi.add_argument("--preset", default="1b", help="nano, tiny, small, gpt2, medium, 1b")

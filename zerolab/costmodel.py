@@ -99,7 +99,7 @@ def get_link(name: str | None = None, gbps: float | None = None,
     """
     if name is not None and name not in LINKS:
         raise ValueError(f"link {name!r} is not one of {', '.join(LINKS)} "
-                         "(or give --link-gbps for a custom one)")
+                         "(or a bandwidth in Gb/s for a custom one)")
     if gbps is not None and not gbps > 0:
         raise ValueError(f"link bandwidth {gbps!r} Gb/s must be > 0")
     if latency_us is not None and not latency_us >= 0:
@@ -109,9 +109,14 @@ def get_link(name: str | None = None, gbps: float | None = None,
     base = LINKS[name] if name is not None else Link("custom", 0.0, 0.0)
     if gbps is None and latency_us is None:
         return base
-    return Link(name or "custom", gbps * 1e9 / 8 if gbps is not None else base.bandwidth,
+    given = " and ".join(w for w, v in (("bandwidth", gbps), ("latency", latency_us)) if v is not None)
+    if gbps is not None and latency_us is not None:
+        name = None                         # nothing of the named link is left
+    return Link(f"{name} with a custom {given}" if name is not None else "custom",
+                gbps * 1e9 / 8 if gbps is not None else base.bandwidth,
                 latency_us * 1e-6 if latency_us is not None else base.latency,
-                base.source if name is not None else "custom")
+                f"custom {given}; the rest from {name}: {base.source}" if name is not None
+                else "custom")
 
 
 def get_device(name: str | None = None, tflops: float | None = None) -> Device:
@@ -119,10 +124,10 @@ def get_device(name: str | None = None, tflops: float | None = None) -> Device:
     if tflops is not None:
         if not tflops > 0:
             raise ValueError(f"device TFLOP/s {tflops!r} must be > 0")
-        return Device(name or "custom", tflops * 1e12)
+        return Device(f"custom ({tflops:g} TFLOP/s peak)", tflops * 1e12)
     if name not in DEVICES:
         raise ValueError(f"device {name!r} is not one of {', '.join(DEVICES)} "
-                         "(or give --device-tflops for a custom one)")
+                         "(or a peak in TFLOP/s for a custom one)")
     return DEVICES[name]
 
 
@@ -175,11 +180,16 @@ class Unit:
     bwd_s: float = 0.0
 
 
+MAX_BLOCKS = 10_000      # a transformer has tens to hundreds; the replay costs time per block
+
+
 def uniform_units(psi: float, n_blocks: int, tokens: float, device: Device,
                   efficiency: float = 1.0) -> list[Unit]:
-    """Ψ split into `n_blocks` equal blocks, each with its 2Ψ_b·T / 4Ψ_b·T FLOPs (no root)."""
-    if n_blocks < 1:
-        raise ValueError(f"blocks {n_blocks!r} must be >= 1")
+    """Ψ split into `n_blocks` equal blocks, each with its 2Ψ_b·T / 4Ψ_b·T FLOPs (no root).
+    ValueError unless 1 <= n_blocks <= min(Ψ, MAX_BLOCKS)."""
+    if not 1 <= n_blocks <= min(psi, MAX_BLOCKS):
+        raise ValueError(f"blocks {n_blocks!r} must be between 1 and {min(int(psi), MAX_BLOCKS):,} "
+                         "(at most one per parameter, and the replay is per block)")
     b = psi / n_blocks
     return [Unit(f"block.{i}", b, compute_time(b, tokens, device, passes="fwd", efficiency=efficiency),
                  compute_time(b, tokens, device, passes="bwd", efficiency=efficiency))

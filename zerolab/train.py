@@ -217,7 +217,9 @@ def before_stage(device) -> dict:
     gc.collect() (and empty_cache on CUDA), the strategies still alive (0 when every stage freed
     its model, strategy and buffers) and, on CUDA, memory.cuda_memory_figures (bytes)."""
     gc.collect()
-    alive = sum(1 for o in gc.get_objects() if isinstance(o, tuple(STRATEGIES.values())))
+    kinds = tuple(STRATEGIES.values())      # type(o), not isinstance: isinstance also reads
+    alive = sum(1 for o in gc.get_objects() if issubclass(type(o), kinds))  # o.__class__, which
+    # warns for deprecated objects such as torch.distributed.reduce_op
     cuda = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -539,6 +541,10 @@ def main(argv=None) -> int:
             print("\nrank 0, bytes after the last step (formula at the padded Ψ):")
             print(format_rows(compare_rows({r["stage"]: [r] for r in results})), flush=True)
             print(f"wrote {Path(args.out).resolve()}/stage*/rank*.json (run {args.run_id})", flush=True)
+            if args.trace:
+                print(f"traces (one step per rank): {Path(args.out).resolve()}/stage*/"
+                      "trace_rank*.json; open one in https://ui.perfetto.dev or chrome://tracing",
+                      flush=True)
         status = "ok"
     except (ValueError, NonFinite) as err:
         if comm.rank == 0:                  # every rank raised the same one-line error
