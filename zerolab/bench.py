@@ -143,6 +143,11 @@ class System:
         return (self.model, self.optimizer, getattr(self.optimizer, "optim", None))
 
 
+def slowest_rank(per_rank: list[dict], key, rounds: int) -> list[float]:
+    """Per timed round, the slowest rank's step time: per_rank[r][key] lists rank r's seconds."""
+    return [max(times[key][i] for times in per_rank) for i in range(rounds)]
+
+
 def peak_bytes(system, x, y) -> int:
     """Peak bytes this rank holds during one step of `system`, seen by MemTracker
     (memory.allocator_peak): the states held before the step plus every tensor the step allocates
@@ -249,7 +254,7 @@ def meter_cost(args) -> dict | None:
         return None
     rows = []
     for name in names:
-        slowest = {v: [max(g[0][name, v][i] for g in gathered) for i in range(args.rounds)]
+        slowest = {v: slowest_rank([g[0] for g in gathered], (name, v), args.rounds)
                    for v in METER_VARIANTS}
         base = statistics.median(slowest["none"])
         for v in METER_VARIANTS:
@@ -367,7 +372,7 @@ def run(args) -> dict | None:
         return None
     rows = []
     for s in systems:
-        slowest = [max(g[0][s.name][i] for g in gathered) for i in range(args.rounds)]
+        slowest = slowest_rank([g[0] for g in gathered], s.name, args.rounds)
         rows.append({"system": s.name, "median_s": statistics.median(slowest),
                      "min_s": min(slowest), "max_s": max(slowest), "times_s": slowest,
                      "state_bytes": memory[s.name],

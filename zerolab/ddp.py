@@ -47,7 +47,6 @@ class DDP:
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused = find_unused_parameters
-        self.bucket_mb = bucket_mb
         self.units = build_units(model, comm.world_size, comm.rank,
                                  bucket_numel(bucket_mb, model, grad_dtype))
         for u in self.units:

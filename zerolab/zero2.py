@@ -57,7 +57,6 @@ class ZeRO2:
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
         self.handles = []
-        self.bucket_mb = bucket_mb
         self.units = build_units(model, comm.world_size, comm.rank,
                                  bucket_numel(bucket_mb, model, grad_dtype))
         for u in self.units:
