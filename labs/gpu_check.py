@@ -41,11 +41,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from zerolab import labs
 from zerolab.comm import TIME_SOURCES
-from zerolab.launch import LaunchError, cuda_device_count, run_torchrun
+from zerolab.course import checks as formula_checks
+from zerolab.course import labs, results
+from zerolab.course.results import load_run
 from zerolab.memory import CUDA_FIGURES
-from zerolab.report import load_run
+from zerolab.run.launch import LaunchError, cuda_device_count, run_torchrun
 
 LOSS_RTOL = 1e-4          # losses of a stage vs the reference, relative
 PARAM_ATOL = 1e-5         # parameters: "equal" elements
@@ -73,7 +74,7 @@ def plan(device: str, nproc: int | None) -> tuple[str, str, int, str]:
 
 def launch(out: Path, stages: str, args, backend: str, device: str, nproc: int, *, preset: str,
            accum: int = 1, **flags) -> tuple[dict, str]:
-    """Run zerolab.train; return (runs, note). A launch that exits non-zero after every rank
+    """Run zerolab.run.train; return (runs, note). A launch that exits non-zero after every rank
     wrote every stage's JSON (a crash in teardown, e.g. an NCCL abort at exit) is kept and noted;
     any other failure raises LaunchError."""
     argv = ["--stages", stages, "--preset", preset, "--steps", str(args.steps), "--out", str(out),
@@ -115,13 +116,13 @@ def param_agreement(a: dict, b: dict) -> tuple[float, float]:
 
 def check_numerics(fp32_dir: Path, runs, ref_dir: Path, ref_runs, steps: int):
     ref = ref_runs[0][0]
-    ref_params = labs.load_params(ref_dir, 0)
+    ref_params = results.load_params(ref_dir, 0)
     bound = 2 * LR * steps
     parts, ok = [], True
     for stage, ranks in sorted(runs.items()):
         losses, ref_losses = ranks[0]["losses"], ref["losses"]
         loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
-        worst, share = param_agreement(labs.load_params(fp32_dir, stage), ref_params)
+        worst, share = param_agreement(results.load_params(fp32_dir, stage), ref_params)
         good = loss_err <= LOSS_RTOL and worst <= bound and share <= PARAM_OUTLIERS
         ok &= good
         parts.append(f"{ranks[0]['name']}: loss {loss_err:.1e}, max|Δp| {worst:.1e}, "
@@ -175,7 +176,7 @@ def check_prefetch_accum(fp32_runs):
     facts, ok = [], True
     if 3 in fp32_runs:
         r = fp32_runs[3][0]
-        units = labs.unit_bytes(r)
+        units = results.unit_bytes(r)
         root_one = units["root"] + max(b for name, b in units.items() if name != "root")
         peak = max(x["memory"]["peak"].get("gathered_params", 0) for x in fp32_runs[3])
         good = all(x["zero3_prefetch"] for x in fp32_runs[3]) and peak > root_one
@@ -270,13 +271,13 @@ def main(argv=None) -> int:
         checks.append({"check": name, "ok": ok, "detail": detail})
 
     run_check("placement", check_placement, [runs, fp32], backend, device)
-    run_check("memory", lambda: (True, f"{labs.check_memory(runs) + labs.check_memory(fp32)} "
+    run_check("memory", lambda: (True, f"{formula_checks.check_memory(runs) + formula_checks.check_memory(fp32)} "
                                        "values == formula at the padded Ψ"))
-    rows = [(row, runs) for row in labs.traffic_rows(runs)] + \
-           [(row, fp32) for row in labs.traffic_rows(fp32)]
+    rows = [(row, runs) for row in formula_checks.traffic_rows(runs)] + \
+           [(row, fp32) for row in formula_checks.traffic_rows(fp32)]
     for row, _ in rows[len(runs):]:
         row["name"] += " fp32 A=2"
-    run_check("traffic", lambda: (True, f"{labs.check_traffic([r for r, _ in rows])} values == "
+    run_check("traffic", lambda: (True, f"{formula_checks.check_traffic([r for r, _ in rows])} values == "
                                         "formula (ZeRO-1 all_reduce in bf16, reduce_scatter in fp32)"))
     run_check("numerics", check_numerics, runs_dir / "fp32", fp32, ref_dir, ref, args.steps)
     run_check("leak", check_leak, runs, device)

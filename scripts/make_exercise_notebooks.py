@@ -1,6 +1,6 @@
 """Write notebooks/exercises/*.ipynb from the package: one notebook per coding exercise (its
-%%writefile cell is the skeleton in zerolab/exercises/skeletons/, byte for byte) and the
-"predict, then measure" notebook (its questions are zerolab.exercises.answers.QUESTIONS).
+%%writefile cell is the skeleton in zerolab/course/exercises/skeletons/, byte for byte) and the
+"predict, then measure" notebook (its questions are zerolab.course.exercises.answers.QUESTIONS).
 
     python scripts/make_exercise_notebooks.py && python scripts/nb_policy.py notebooks/exercises/*.ipynb
 
@@ -17,8 +17,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from zerolab.exercises import EXERCISES  # noqa: E402
-from zerolab.exercises.answers import QUESTIONS  # noqa: E402
+from zerolab.course.exercises import EXERCISES  # noqa: E402
+from zerolab.course.exercises.answers import QUESTIONS  # noqa: E402
 
 OUT = ROOT / "notebooks" / "exercises"
 
@@ -80,7 +80,7 @@ def exercise_notebook(name: str) -> nbformat.NotebookNode:
         new_markdown_cell("## Where your function is called\n\nzerolab's own code, as it runs "
                           "in the check (your function replaces the one it calls):"),
         new_code_cell("import zerolab.ddp, zerolab.sharding, zerolab.zero1, zerolab.zero2, zerolab.zero3\n"
-                      "from zerolab import exercises, nb\n\n"
+                      "from zerolab import nb\nfrom zerolab.course import exercises\n\n"
                       + "\n".join(f"nb.show({c})" for c in callers)),
         new_markdown_cell("## Your code\n\nFill in the body, run the cell (it writes "
                           f"`my_{name}.py` next to this notebook), then run the check below."),
@@ -108,7 +108,8 @@ def predict_notebook() -> nbformat.NotebookNode:
             "are then measured on 2 gloo ranks, so you see your number appear in a real run.\n\n"
             "Question ids name the notebook they come from (`02.3` is about "
             "`notebooks/02_memory.ipynb`; `pm` = this notebook's measurement)."),
-        new_code_cell("from zerolab import labs, nb\nfrom zerolab.exercises import answer, reveal"),
+        new_code_cell("from zerolab import nb\nfrom zerolab.course import checks\n"
+                      "from zerolab.course.exercises import answer, reveal"),
     ]
     for qid, q in QUESTIONS.items():
         cells.append(new_markdown_cell(f"**{qid}.** {q.text}" + (f" ({q.unit})" if q.unit else "")))
@@ -121,9 +122,9 @@ def predict_notebook() -> nbformat.NotebookNode:
         new_code_cell('runs = nb.launch(stages="0,3", nproc=2, preset="nano", steps=2, '
                       'backend="gloo", device="cpu", out="runs/predict_then_measure")'),
         new_code_cell("traffic = {row['stage']: sum(row['measured'].values()) "
-                      "for row in labs.traffic_rows(runs)}\n"
+                      "for row in checks.traffic_rows(runs)}\n"
                       "held = {row['stage']: sum(row['measured'].values()) "
-                      "for row in labs.memory_rows(runs) if row['rank'] == 0}\n"
+                      "for row in checks.memory_rows(runs) if row['rank'] == 0}\n"
                       "for qid, measured in ((\"pm.1\", traffic[0]), (\"pm.2\", traffic[3]), "
                       "(\"pm.3\", held[3])):\n"
                       "    print(f\"{qid}: measured {measured:,.0f} bytes\")\n"

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
 from zerolab import theory
-from zerolab.plots import COLLECTIVE_COLORS, STATE_COLORS
+from zerolab.course.plots import COLLECTIVE_COLORS, STATE_COLORS
 
 ROOT = Path(__file__).resolve().parent.parent
 DPI = 100

@@ -1,7 +1,7 @@
 """Shared test helpers: run a worker function on N gloo CPU ranks, each in its own process; the
 toy models the tests train.
 
-The runner, the models and the batches live in `zerolab.testing`, so that the exercise checker
+The runner, the models and the batches live in `zerolab.course.testing`, so that the exercise checker
 (`zerolab check`) grades a learner's code with the same ones. `run_ranks(worker, world_size,
 *args)` starts `world_size` processes, initialises a gloo process group over a free TCP port,
 calls `worker(rank, world_size, *args)` on every rank and returns the ranks' return values as a
@@ -21,9 +21,10 @@ import sys
 
 import pytest
 
-from zerolab import testing
-from zerolab.testing import (Bias3, CondToy, OddToy, TiedToy, ToyBlock,  # noqa: F401 - re-exported
-                             _context, free_port, global_batch, make_model, vocab_and_context)
+from zerolab.course import testing
+from zerolab.course.testing import (Bias3, CondToy, OddToy, TiedToy, ToyBlock,  # noqa: F401
+                                    _context, free_port, global_batch, make_model,
+                                    vocab_and_context)
 
 
 def run_ranks(worker, world_size: int, *args, timeout: float = 120.0) -> list:

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from zerolab import theory
-from zerolab.testing import free_port
+from zerolab.course.testing import free_port
 
 ROOT = Path(__file__).parent.parent
 NOTEBOOK = ROOT / "notebooks" / "02_memory.ipynb"

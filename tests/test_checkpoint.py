@@ -1,10 +1,10 @@
-"""Sharded checkpoints (zerolab.checkpoint): resume bit-identical at the same world size and
+"""Sharded checkpoints (zerolab.run.checkpoint): resume bit-identical at the same world size and
 within 1e-6 (fp32) at another world size / stage, offline consolidation checked against a plain
 torch AdamW run, the FSDP2 export, bad checkpoints, a kill during a save, and one run across two
 launchers.
 
 One reference run (`zerolab train`, 4 ranks, ZeRO-2, fp32, global batch 12, 4 steps, a checkpoint
-every 2 steps) is shared by most tests. Other runs call `zerolab.train.main` in forked rank
+every 2 steps) is shared by most tests. Other runs call `zerolab.run.train.main` in forked rank
 processes (`train_ranks`, no torchrun start-up: ~1 s instead of ~8 s); every run has a timeout.
 """
 from __future__ import annotations
@@ -24,21 +24,21 @@ import torch
 from conftest import _context, free_port, run_ranks
 from conftest import run_zerolab as run_cli
 from zerolab import cli
-from zerolab.checkpoint import open_checkpoint
+from zerolab.run.checkpoint import open_checkpoint
 
 REF = ["--preset", "nano", "--stage", "2", "--precision", "fp32", "--batch-size", "12",
        "--steps", "4", "--timeout", "120"]
 
 
 def _rank_main(rank, n, port, argv, folder):
-    """One rank of `train_ranks`: torchrun's environment, then zerolab.train.main(argv)."""
+    """One rank of `train_ranks`: torchrun's environment, then zerolab.run.train.main(argv)."""
     log = os.open(os.path.join(folder, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from zerolab import train
+    from zerolab.run import train
     code = train.main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -46,7 +46,7 @@ def _rank_main(rank, n, port, argv, folder):
 
 
 def train_ranks(argv: list[str], n: int, tmp: Path, timeout: float = 90) -> tuple[list, str]:
-    """`zerolab.train argv` on `n` forked ranks; (exit codes, every rank's output). A rank that
+    """`zerolab.run.train argv` on `n` forked ranks; (exit codes, every rank's output). A rank that
     fails stops the others 3 s later; after `timeout` seconds all are killed."""
     ctx, port = _context(), free_port()
     folder = tmp / f"logs-{port}"
@@ -226,7 +226,7 @@ BAD = {   # how -> (extra argv, substrings of the one error line)
 
 @pytest.mark.parametrize("how", BAD)
 def test_bad_checkpoints_get_one_line_and_change_nothing(ref, tmp_path, how, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("a launch started"))
+    monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: pytest.fail("a launch started"))
     ckpt = tmp_path / "ck" / "step_000002"
     shutil.copytree(ckpt_dir(ref[0], 2), ckpt)
     _break(ckpt, how)
@@ -392,7 +392,7 @@ def test_when_one_launcher_dies_the_other_exits_with_a_clear_line(tmp_path):
 
 
 def test_negative_save_every_is_refused_before_any_launch(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("a launch started"))
+    monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: pytest.fail("a launch started"))
     code = cli.main(["train", "--save-every", "-1", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--save-every -1" in err[0], err

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import run_zerolab as run_cmd
 from zerolab import cli, theory
-from zerolab.launch import LaunchError, resolve
+from zerolab.run.launch import LaunchError, resolve
 
 
 def processes_mentioning(*needles: str) -> list[str]:
@@ -43,7 +43,7 @@ def load_rank0(out: Path, stage: int) -> dict:
 def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a launch was attempted for bad input")
-    monkeypatch.setattr(cli, "run_torchrun", refuse)
+    monkeypatch.setattr("zerolab.run.launch.run", refuse)
 
 
 BAD_INPUTS = {     # extra argv, substrings the one error line must contain ({tmp}: tmp_path)
@@ -132,7 +132,7 @@ def test_crashing_rank_fails_the_run_with_its_traceback_and_leaves_nothing(tmp_p
                   echo=None, timeout=120)
     assert "rank 1 crashed on purpose" in str(err.value)
     assert "exited with code" in str(err.value)
-    assert processes_mentioning("zerolab.train", str(out)) == []
+    assert processes_mentioning("zerolab.run.train", str(out)) == []
 
 
 COMPARE = ["compare", "--nproc", "2", "--preset", "nano", "--steps", "2"]

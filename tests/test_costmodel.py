@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from zerolab import costmodel as cm
-from zerolab.costmodel import Link, Unit
+from zerolab.timing import costmodel as cm
+from zerolab.timing import hardware as hw
+from zerolab.timing.hardware import Link
+from zerolab.timing.costmodel import Unit
 
 
 def test_collective_times_by_hand():
@@ -37,7 +39,7 @@ def test_ring_latency_grows_with_n_and_bandwidth_term_saturates():
 
 
 def test_compute_time_six_psi_per_token():
-    dev = cm.Device("d", 1e15)
+    dev = hw.Device("d", 1e15)
     # 1e9 params x 1000 tokens x 6 FLOPs / 1e15 FLOP/s = 6 ms; forward is a third, backward two
     assert cm.compute_time(1e9, 1000, dev) == pytest.approx(6e-3)
     assert cm.compute_time(1e9, 1000, dev, passes="fwd") == pytest.approx(2e-3)
@@ -87,8 +89,8 @@ def test_zero2_all_gather_after_step_is_exposed():
 
 def test_stage_ordering_from_bytes():
     """With compute long enough to hide gradient traffic, exposed comm is ZeRO-3 > ZeRO-2 > DDP."""
-    units = cm.uniform_units(1e9, 16, 4096, cm.DEVICES["h100"])
-    link = cm.LINKS["100gbe"]
+    units = cm.uniform_units(1e9, 16, 4096, hw.DEVICES["h100"])
+    link = hw.LINKS["100gbe"]
     exposed = [cm.step_time(s, units, 64, link).exposed_comm for s in (0, 2, 3)]
     assert exposed[0] < exposed[1] < exposed[2]
     pre = cm.step_time(3, units, 64, link, prefetch=True)
@@ -96,8 +98,8 @@ def test_stage_ordering_from_bytes():
 
 
 def test_comm_bound_threshold_is_where_gather_equals_compute():
-    dev, n, psi_b = cm.DEVICES["h100"], 64, 2e8
-    link = cm.LINKS["ib-ndr"]
+    dev, n, psi_b = hw.DEVICES["h100"], 64, 2e8
+    link = hw.LINKS["ib-ndr"]
     t_star = cm.zero3_comm_bound_tokens(psi_b, n, link, dev)
     gather = cm.collective_time("all_gather", 2 * psi_b, n, link)
     assert cm.compute_time(psi_b, t_star, dev, passes="fwd") == pytest.approx(gather)
@@ -107,14 +109,14 @@ def test_comm_bound_threshold_is_where_gather_equals_compute():
 
 
 def test_profiles_have_sources_and_custom_values():
-    assert all(len(p.source) > 20 for p in (*cm.LINKS.values(), *cm.DEVICES.values()))
-    assert cm.get_link(gbps=8).bandwidth == pytest.approx(1e9)            # 8 Gb/s = 1 GB/s
-    assert cm.get_link("ib-ndr").gbps == pytest.approx(400)
-    assert cm.get_link("ib-ndr", latency_us=1).latency == pytest.approx(1e-6)
-    assert cm.get_device(tflops=100).flops == 1e14
+    assert all(len(p.source) > 20 for p in (*hw.LINKS.values(), *hw.DEVICES.values()))
+    assert hw.get_link(gbps=8).bandwidth == pytest.approx(1e9)            # 8 Gb/s = 1 GB/s
+    assert hw.get_link("ib-ndr").gbps == pytest.approx(400)
+    assert hw.get_link("ib-ndr", latency_us=1).latency == pytest.approx(1e-6)
+    assert hw.get_device(tflops=100).flops == 1e14
     for bad in (dict(name="wifi"), dict(gbps=0), dict(gbps=1, latency_us=-1), dict()):
         with pytest.raises(ValueError):
-            cm.get_link(**bad)
+            hw.get_link(**bad)
 
 
 def test_cli_time_prints_stages_and_threshold():
@@ -173,12 +175,12 @@ def test_merged_buckets_issue_fewer_collectives():
 def test_custom_link_values_are_named_as_custom():
     """A named link with a replaced bandwidth must not be printed as the named link with its
     datasheet source (a new user read "link ib-ndr ... 100 Gb/s" with the NDR source)."""
-    half = cm.get_link("ib-ndr", gbps=100)
+    half = hw.get_link("ib-ndr", gbps=100)
     assert half.name == "ib-ndr with a custom bandwidth" and half.source.startswith("custom bandwidth")
-    assert half.latency == cm.LINKS["ib-ndr"].latency and half.bandwidth == 100e9 / 8
-    both = cm.get_link("ib-ndr", gbps=100, latency_us=10)
+    assert half.latency == hw.LINKS["ib-ndr"].latency and half.bandwidth == 100e9 / 8
+    both = hw.get_link("ib-ndr", gbps=100, latency_us=10)
     assert (both.name, both.source) == ("custom", "custom")
-    assert cm.get_link("ib-ndr") is cm.LINKS["ib-ndr"]
+    assert hw.get_link("ib-ndr") is hw.LINKS["ib-ndr"]
 
 
 @pytest.mark.parametrize("argv, says", [(["--blocks", "1000000"], "blocks 1000000 must be between 1 and 10,000"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zerolab import doctor
+from zerolab.course import doctor
 
 
 @pytest.mark.timeout(120)

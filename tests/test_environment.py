@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from zerolab.nb import own_kernel
+from zerolab.course.nb import own_kernel
 
 NOTEBOOK = ["import sys, zerolab\n", "print(zerolab.__file__)"]
 
@@ -73,7 +73,7 @@ def test_papermill_with_own_kernel_ignores_a_foreign_python3_kernelspec(hostile_
 
 
 def _train(env, tmp_path, name):
-    return subprocess.run([sys.executable, "-m", "zerolab.train", "--preset", "nano", "--steps",
+    return subprocess.run([sys.executable, "-m", "zerolab.run.train", "--preset", "nano", "--steps",
                            "1", "--batch-size", "2", "--no-allocator", "--out",
                            str(tmp_path / name)], env=env, capture_output=True, text=True,
                           timeout=120)

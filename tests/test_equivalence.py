@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import global_batch, make_model, run_ranks
-from zerolab import testing
-from zerolab.testing import LR, WD, freeze, max_param_diff, train_job, trigger  # noqa: F401 - shared
+from zerolab.course import testing
+from zerolab.course.testing import LR, WD, freeze, max_param_diff, train_job, trigger  # noqa: F401 - shared
 
 STEPS = 5
 VARIANTS = [(0, None), (1, "all_reduce"), (1, "reduce_scatter"), (2, None), (3, None),
@@ -52,9 +52,9 @@ def train_worker(rank, n, jobs):
     return out
 
 
-# --- the single-process reference (zerolab.testing: shared with the exercise checker) ---------
+# --- the single-process reference (zerolab.course.testing: shared with the exercise checker) ---------
 def reference(job, n):
-    """Plain torch: AdamW on the global batch (zerolab.testing.reference, no zerolab strategy)."""
+    """Plain torch: AdamW on the global batch (zerolab.course.testing.reference, no zerolab strategy)."""
     return testing.reference(job, n, STEPS)
 
 

@@ -2,7 +2,7 @@
 broken variant per exercise (tests/exercise_broken/) fails, naming the right check; the blank
 skeletons fail with a message, not a traceback, before any rank starts; a learner's exception is
 reported with the rank and the line of the learner's file. The checks themselves are those of
-test_equivalence / test_measure (zerolab.testing.reference, theory's formulas)."""
+test_equivalence / test_measure (zerolab.course.testing.reference, theory's formulas)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zerolab.exercises import EXERCISES, checker
+from zerolab.course.exercises import EXERCISES, checker
 
 BROKEN = Path(__file__).parent / "exercise_broken"
 ROOT = Path(__file__).parent.parent
@@ -106,8 +106,8 @@ def test_exercise_notebooks_start_from_the_package_skeletons():
 
 
 def test_numeric_answers_are_graded_against_theory(capsys):
-    from zerolab.exercises import answer, reveal
-    from zerolab.exercises.answers import QUESTIONS
+    from zerolab.course.exercises import answer, reveal
+    from zerolab.course.exercises.answers import QUESTIONS
     for qid, q in QUESTIONS.items():
         want = reveal(qid)
         assert answer(qid, want)

@@ -27,7 +27,7 @@ from conftest import sigint_default
 
 LAUNCHER = textwrap.dedent("""
     import sys
-    from zerolab.launch import LaunchError, run_torchrun
+    from zerolab.run.launch import LaunchError, run_torchrun
     try:
         run_torchrun(["--stages", "0", "--preset", "nano", "--steps", "100000", "--no-allocator",
                       "--out", sys.argv[1]], 2, timeout=float(sys.argv[2]))
@@ -79,10 +79,10 @@ class Launch:
 
     def ranks(self):
         agent = set(self.agent())
-        return [pid for pid in pids_with("-m zerolab.train", self.out) if pid not in agent]
+        return [pid for pid in pids_with("-m zerolab.run.train", self.out) if pid not in agent]
 
     def agent(self):
-        return pids_with("-m zerolab.launch", self.out)
+        return pids_with("-m zerolab.run.launch", self.out)
 
     def finish(self, within: float) -> tuple[int, str]:
         t0 = time.monotonic()
@@ -217,7 +217,8 @@ SLOW_LAB = {"cells": [{"cell_type": "code", "id": "params", "metadata": {"tags":
 LABS_DRIVER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from zerolab import cli, labs
+    from zerolab import cli
+    from zerolab.course import labs
     labs.LAB_DIR = Path(sys.argv[1])
     sys.exit(cli.main(["labs", "--out", sys.argv[2], "--timeout", "100"]))
 """)
@@ -272,7 +273,7 @@ def test_ranks_die_with_their_agent_even_without_zerolabs_launcher(tmp_path):
     ends within seconds, by the parent-death signal each rank asks Linux for."""
     out = str(tmp_path / "bare")
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc-per-node", "2", "-m", "zerolab.train", "--preset", "nano",
+                              "--nproc-per-node", "2", "-m", "zerolab.run.train", "--preset", "nano",
                               "--steps", "100000", "--no-allocator", "--out", out],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
@@ -281,14 +282,14 @@ def test_ranks_die_with_their_agent_even_without_zerolabs_launcher(tmp_path):
         seen.append(line)
         if "step 2/" in line:
             break
-    ranks = [p for p in pids_with("-m zerolab.train", out) if p != agent.pid]
+    ranks = [p for p in pids_with("-m zerolab.run.train", out) if p != agent.pid]
     assert len(ranks) == 2, "".join(seen)
     agent.kill()
     agent.wait()
     deadline = time.monotonic() + 15
-    while any(p in pids_with("-m zerolab.train", out) for p in ranks) and time.monotonic() < deadline:
+    while any(p in pids_with("-m zerolab.run.train", out) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [p for p in ranks if p in pids_with("-m zerolab.train", out)]
+    left = [p for p in ranks if p in pids_with("-m zerolab.run.train", out)]
     kill_all(left)
     agent.stdout.close()
     assert not left, f"ranks outlived their SIGKILLed agent: {left}"

@@ -15,7 +15,9 @@ import pytest  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from zerolab import plots, theory  # noqa: E402
+from zerolab import theory
+from zerolab.course import timeplots
+from zerolab.course import plots  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +97,7 @@ def test_help_texts_name_each_default_once():
 
 
 def test_labs_echo_drops_kernel_noise(capsys):
-    from zerolab.labs import _lab_echo
+    from zerolab.course.labs import _lab_echo
     _lab_echo("[IPKernelApp] WARNING | Kernel is running over TCP without encryption. All communication")
     _lab_echo("2026-01-01 10:00:00,000 [INFO] <Figure size 1500x560 with 2 Axes>")
     _lab_echo("[stage 0] step 1/2  loss 5.51")
@@ -137,9 +139,9 @@ def test_lab3_trace_figure_colours_fonts_and_legend_below():
     """Lab 3's Gantt chart on the committed reference traces: one bar per collective where it ran
     (trace.spans' "run" ranges), each in its op's colour; each wait hatched in its op's colour;
     every text >= 8 pt; the legend under the lowest axes and clear of its x label."""
-    from zerolab import trace
+    from zerolab.timing import trace
     out = Path(plots.__file__).parent / "reference_runs" / "lab3_step_timeline"
-    fig = plots.step_trace(out, stages=(2, 3))
+    fig = timeplots.step_trace(out, stages=(2, 3))
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     _check_fonts(fig, "step_trace")

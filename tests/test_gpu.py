@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zerolab.launch import cuda_device_count
+from zerolab.run.launch import cuda_device_count
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ ranks, so a broken GPU path fails CI even where no GPU is lent.
   dump): it never goes negative when blocks allocated before recording are freed, and the plot
   says when the ring buffer dropped events. Checked on a hand-made snapshot whose true totals
   are known.
-- `zerolab.train --device cuda` without a GPU ends with one line, not a traceback.
+- `zerolab.run.train --device cuda` without a GPU ends with one line, not a traceback.
 """
 import json
 import subprocess
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zerolab.launch import cuda_device_count
+from zerolab.run.launch import cuda_device_count
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ def _snapshot(tmp_path, trace, live_blocks, max_entries=None):
 
 
 def test_snapshot_series_is_absolute_and_never_negative(tmp_path):
-    from zerolab.plots import snapshot_series
+    from zerolab.course.timeplots import snapshot_series
     # before recording: blocks of 100 and 200 B are live (300 B). Recorded: free the 200,
     # alloc 50, alloc 70, free the 100. At the dump 50 + 70 = 120 B are live.
     trace = [{"action": "free_requested", "size": 200}, {"action": "free_completed", "size": 200},
@@ -74,7 +74,7 @@ def test_snapshot_series_is_absolute_and_never_negative(tmp_path):
 def test_snapshot_plot_says_when_events_were_dropped(tmp_path):
     import matplotlib
     matplotlib.use("Agg")
-    from zerolab.plots import cuda_snapshot
+    from zerolab.course.timeplots import cuda_snapshot
     trace = [{"action": "alloc", "size": 10}, {"action": "free_completed", "size": 10}] * 3
     path, _ = _snapshot(tmp_path, trace, [40], max_entries=len(trace))
     fig = cuda_snapshot(path)
@@ -87,16 +87,16 @@ def test_snapshot_plot_says_when_events_were_dropped(tmp_path):
 @pytest.mark.skipif(cuda_device_count() > 0, reason="a CUDA device is visible")
 @pytest.mark.timeout(60)
 def test_train_device_cuda_without_gpu_is_one_line():
-    proc = subprocess.run([sys.executable, "-m", "zerolab.train", "--device", "cuda", "--steps", "1"],
+    proc = subprocess.run([sys.executable, "-m", "zerolab.run.train", "--device", "cuda", "--steps", "1"],
                           capture_output=True, text=True, timeout=50, cwd=ROOT)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "zerolab.train: error: --device cuda but torch sees no CUDA device (use --device cpu)"]
+        "zerolab.run.train: error: --device cuda but torch sees no CUDA device (use --device cpu)"]
 
 
 def test_backend_auto_says_when_it_leaves_a_gpu_unused():
-    from zerolab.launch import auto_note, resolve
+    from zerolab.run.launch import auto_note, resolve
     chosen = resolve(2, "auto", "auto", gpus=1)           # 2 ranks, 1 GPU: NCCL cannot
     assert chosen == ("gloo", "cpu")
     note = auto_note(2, "auto", "auto", *chosen, gpus=1)

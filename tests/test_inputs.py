@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from zerolab import cli, labs
-from zerolab.preflight import activation_bytes
+from zerolab import cli
+from zerolab.course import labs
+from zerolab.run.preflight import activation_bytes
 
 BAD = {   # argv, substrings of the one error line ({tmp}: the test's folder)
     # non-finite or out-of-range numbers
@@ -71,8 +72,8 @@ SMALL = ["--preset", "nano", "--steps", "2", "--nproc", "2"]
 def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a process was started for bad input")
-    monkeypatch.setattr(cli, "run_torchrun", refuse)
-    monkeypatch.setattr("zerolab.launch.run", refuse)
+    monkeypatch.setattr("zerolab.run.launch.run", refuse)
+    monkeypatch.setattr("zerolab.run.launch.run", refuse)
 
 
 def _unreadable(tmp_path) -> str:
@@ -196,7 +197,7 @@ class _OneRank:
 def test_non_finite_message_names_step_rank_and_value(local, mean, norm, says):
     import torch
 
-    from zerolab.train import NonFinite, stop_non_finite
+    from zerolab.run.stage import NonFinite, stop_non_finite
     with pytest.raises(NonFinite) as err:
         stop_non_finite(3, 6, torch.tensor(local), mean, norm, _OneRank())
     assert str(err.value).startswith(f"ZeRO-3 step 7: {says};") and "\n" not in str(err.value)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import sigint_default
-from zerolab.labs import LabParameterError, check_parameters
+from zerolab.course.labs import LabParameterError, check_parameters
 
 
 @pytest.mark.parametrize("params, named", [
@@ -55,7 +55,7 @@ def test_zerolab_labs_refuses_a_bad_override_before_running_any_lab(tmp_path):
 def _train_pids(marker: str) -> list[int]:
     out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines()
-            if "zerolab.train" in line and marker in line]
+            if "zerolab.run.train" in line and marker in line]
 
 
 @pytest.mark.timeout(180)
@@ -67,7 +67,7 @@ def test_interrupt_stops_every_rank(tmp_path, sig, says):
     still no rank may remain (the kernel asks Linux to signal torchrun when its parent dies)."""
     out = tmp_path / "interrupted"
     script = textwrap.dedent(f"""
-        from zerolab.launch import LaunchError, run_torchrun
+        from zerolab.run.launch import LaunchError, run_torchrun
         try:
             run_torchrun(["--stages", "0", "--preset", "nano", "--steps", "100000",
                           "--no-allocator", "--out", {str(out)!r}], 2, timeout=170)

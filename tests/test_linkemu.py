@@ -25,11 +25,13 @@ import torch
 import torch.nn as nn
 from conftest import run_ranks
 
-from zerolab import STRATEGIES, costmodel
+from zerolab import STRATEGIES
+from zerolab.timing import hardware
+from zerolab.timing import costmodel
 from zerolab.comm import Comm
-from zerolab.linkemu import LinkEmulator, from_args
+from zerolab.timing.linkemu import LinkEmulator, from_args
 
-LINK = costmodel.get_link(gbps=0.1, latency_us=200)      # 12.5 MB/s, α = 200 us
+LINK = hardware.get_link(gbps=0.1, latency_us=200)      # 12.5 MB/s, α = 200 us
 
 
 def _collectives(rank, world_size, sizes, reps):
@@ -166,7 +168,7 @@ def test_from_args_checks_its_input():
                                        (["--link-gbps", "1", "--link-latency-us", "-2"], "-2")])
 def test_cli_refuses_a_bad_link_before_any_rank_starts(argv, name, tmp_path, capsys, monkeypatch):
     from zerolab import cli
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: pytest.fail("launched"))
     code = cli.main(["train", "--nproc", "2", "--preset", "nano", "--out", str(tmp_path / "o"), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and name in err[0], err

@@ -1,4 +1,4 @@
-"""The committed reference results (zerolab.reference) that labs plot when a launch fails."""
+"""The committed reference results (zerolab.course.reference) that labs plot when a launch fails."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ LABS = ("lab1_memory_by_stage", "lab2_traffic_by_stage", "lab3_step_timeline", "
 
 
 def _keys():
-    from zerolab import reference
+    from zerolab.course import reference
     return sorted({str(p.parent.parent.relative_to(reference.FOLDER))
                    for p in reference.FOLDER.glob("**/stage*/rank0.json")})
 
@@ -21,14 +21,15 @@ def _keys():
 def test_reference_runs_restore_and_equal_the_formulas(tmp_path):
     """The committed CPU reference run of every lab restores into any out folder and its bytes
     held and sent equal the formulas (the labs' own checks), so plots drawn from it are right."""
-    from zerolab import labs, nb, reference
-    from zerolab.report import load_run
+    from zerolab import nb
+    from zerolab.course import checks, reference
+    from zerolab.course.results import load_run
     keys = _keys()
     assert {k.split("/")[0] for k in keys} == set(LABS)
     for k in keys:
         runs = load_run(reference.restore(tmp_path / "runs" / "labs" / k))
-        assert labs.check_memory(runs) > 0
-        assert labs.check_traffic(labs.traffic_rows(runs)) > 0
+        assert checks.check_memory(runs) > 0
+        assert checks.check_traffic(checks.traffic_rows(runs)) > 0
     nb.use_reference()
     try:
         printed = []
@@ -55,7 +56,8 @@ def test_lab5_reference_is_the_same_training(tmp_path):
     |Δloss| <= 1e-5) while the stored grad norms and losses are finite and the losses fall."""
     import torch
 
-    from zerolab import labs, nb
+    from zerolab import nb
+    from zerolab.course import results
     from zerolab.model import GPT, get_config
     nb.use_reference()
     try:
@@ -65,7 +67,7 @@ def test_lab5_reference_is_the_same_training(tmp_path):
             assert sorted(runs) == [0, 1, 2, 3]
             cfg = get_config(runs[0][0]["preset"])
             names = set(GPT(cfg).state_dict())
-            diffs = labs.param_diffs(out, [0, 1, 2, 3])
+            diffs = results.param_diffs(out, [0, 1, 2, 3])
             assert sorted(diffs) == [1, 2, 3]
             base = runs[0][0]
             for s, d in diffs.items():
@@ -78,7 +80,7 @@ def test_lab5_reference_is_the_same_training(tmp_path):
             assert base["losses"][-1] < base["losses"][0] and all(
                 torch.isfinite(torch.tensor(base["grad_norms"])))
         with pytest.raises(ValueError, match="compares stages"):
-            labs.param_diffs(out, [1, 2])
+            results.param_diffs(out, [1, 2])
     finally:
         nb.use_reference(False)
 
@@ -88,7 +90,9 @@ def test_lab3_reference_traces_hold_their_ledgers(tmp_path):
     `trace.spans` reads: each still holds every collective of its rank's ledger for the traced
     step exactly once (issue + wait, same op / unit / phase), each block's forward and backward
     compute, and the lab's Gantt chart draws from it."""
-    from zerolab import nb, plots, trace
+    from zerolab import nb
+    from zerolab.course import timeplots
+    from zerolab.timing import trace
     nb.use_reference()
     try:
         out = tmp_path / "runs" / "labs" / "lab3_step_timeline"
@@ -104,7 +108,7 @@ def test_lab3_reference_traces_hold_their_ledgers(tmp_path):
             blocks = [u["name"] for u in r["units"] if u["name"] != "root"]
             got = [(x.phase, x.unit) for x in trace.spans(path) if x.kind == "block"]
             assert got == [("forward", b) for b in blocks] + [("backward", b) for b in blocks[::-1]]
-    assert len(plots.step_trace(out, stages=(2, 3)).axes) == 2
+    assert len(timeplots.step_trace(out, stages=(2, 3)).axes) == 2
 
 
 def test_lab6_reference_keeps_step_times_and_the_link_floor(tmp_path):
@@ -113,7 +117,8 @@ def test_lab6_reference_keeps_step_times_and_the_link_floor(tmp_path):
     at least the α-β model's time for its bytes on that link (the lab's own check)."""
     import json
 
-    from zerolab import costmodel, nb
+    from zerolab import nb
+    from zerolab.timing import costmodel, hardware
     nb.use_reference()
     try:
         links = sorted({k.split("/")[1] for k in _keys() if k.startswith("lab6_")})
@@ -126,7 +131,7 @@ def test_lab6_reference_keeps_step_times_and_the_link_floor(tmp_path):
             first = runs[min(runs)][0]
             gbps = float(name[4:].removesuffix("_prefetch"))
             assert first["link"]["gbps"] == gbps and runs[3][0]["zero3_prefetch"] is prefetch
-            link = costmodel.get_link(gbps=gbps, latency_us=first["link"]["latency_us"])
+            link = hardware.get_link(gbps=gbps, latency_us=first["link"]["latency_us"])
             for ranks in runs.values():
                 assert all(len(r["step_times_s"]) == first["steps"] and min(r["step_times_s"]) > 0
                            for r in ranks)

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from zerolab import cli, labs, report, runs
+from zerolab import cli
+from zerolab.course import results, timeplots
+from zerolab.run import folders
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,16 +30,16 @@ ROOT = Path(__file__).resolve().parent.parent
 def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a process was started")
-    monkeypatch.setattr(cli, "run_torchrun", refuse)
+    monkeypatch.setattr("zerolab.run.launch.run", refuse)
 
 
 def fake_rank(out: Path, run_id: str, stage: int, rank: int, world_size: int):
-    runs.atomic_json(out / f"stage{stage}" / f"rank{rank}.json",
+    folders.atomic_json(out / f"stage{stage}" / f"rank{rank}.json",
                      {"run_id": run_id, "stage": stage, "rank": rank, "world_size": world_size})
 
 
 def finished_run(out: Path, world_size: int, stages=(0, 1, 2, 3)) -> str:
-    run = runs.begin_run(out, command="compare", args={}, world_size=world_size, overwrite=True)
+    run = folders.begin_run(out, command="compare", args={}, world_size=world_size, overwrite=True)
     for s in stages:
         for r in range(world_size):
             fake_rank(out, run.run_id, s, r, world_size)
@@ -52,7 +54,7 @@ def test_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys, no_launch,
     out = tmp_path / "o"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from zerolab.runs import begin_run
+        from zerolab.run.folders import begin_run
         run = begin_run({str(out)!r}, command="compare", args={{}}, world_size=2)
         print("locked", run.run_id, flush=True)
         time.sleep(50)
@@ -67,9 +69,9 @@ def test_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys, no_launch,
         holder.wait()
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and "in use by a run that is still going" in line and first[1] in line
-    assert runs.read_manifest(out)["run_id"] == first[1]          # the first run's manifest stays
+    assert folders.read_manifest(out)["run_id"] == first[1]          # the first run's manifest stays
     # once its process is gone the kernel has dropped the lock: the folder is usable again
-    assert not runs.in_use(out)
+    assert not folders.in_use(out)
 
 
 # --- a folder holding another run ----------------------------------------------------------------
@@ -89,12 +91,12 @@ def test_overwrite_replaces_the_old_run_before_the_new_one_writes(tmp_path):
     out = tmp_path / "o"
     finished_run(out, 4)
     (out / "notes.txt").write_text("mine")
-    new = runs.begin_run(out, command="compare", args={}, world_size=2, overwrite=True)
+    new = folders.begin_run(out, command="compare", args={}, world_size=2, overwrite=True)
     for r in range(2):
         fake_rank(out, new.run_id, 0, r, 2)
     os.close(new._lock_fd)                  # the run dies here: no finish(), the lock is dropped
     notes = []
-    loaded = report.load_run(out, echo=notes.append)
+    loaded = results.load_run(out, echo=notes.append)
     assert sorted(loaded) == [0] and [r["rank"] for r in loaded[0]] == [0, 1]
     assert sorted(p.relative_to(out).as_posix() for p in out.glob("stage*/*")) == \
         ["stage0/rank0.json", "stage0/rank1.json"]
@@ -111,7 +113,7 @@ def test_reader_keeps_the_manifests_run_and_says_others_were_ignored(tmp_path):
         for r in (2, 3):
             fake_rank(out, "an-older-run", s, r, 4)
     notes = []
-    loaded = report.load_run(out, echo=notes.append)
+    loaded = results.load_run(out, echo=notes.append)
     assert all([r["rank"] for r in ranks] == [0, 1] for ranks in loaded.values())
     assert all(r["run_id"] == current for ranks in loaded.values() for r in ranks)
     assert notes == [f"note: {str(out)!r}: read run {current} only; 8 file(s) of other runs ignored"]
@@ -121,39 +123,39 @@ def test_reader_refuses_mixed_runs_without_a_manifest(tmp_path):
     out = tmp_path / "o"
     fake_rank(out, "run-a", 0, 0, 1)
     fake_rank(out, "run-b", 3, 0, 1)
-    with pytest.raises(runs.RunFolderError, match="mixes files of 2 runs"):
-        report.load_run(out)
+    with pytest.raises(folders.RunFolderError, match="mixes files of 2 runs"):
+        results.load_run(out)
 
 
 def test_reader_refuses_a_stage_missing_a_rank(tmp_path):
     out = tmp_path / "o"
-    run = runs.begin_run(out, command="train", args={}, world_size=2)
+    run = folders.begin_run(out, command="train", args={}, world_size=2)
     fake_rank(out, run.run_id, 0, 0, 2)
     run.finish("ok")
     with pytest.raises(ValueError, match=r"rank files \[0\], not 0..1"):
-        report.load_run(out, echo=lambda s: None)
+        results.load_run(out, echo=lambda s: None)
 
 
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
     path = tmp_path / "rank0.json"
-    runs.atomic_json(path, {"run_id": "old"})
+    folders.atomic_json(path, {"run_id": "old"})
 
     def broken_replace(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr(runs.os, "replace", broken_replace)
+    monkeypatch.setattr(folders.os, "replace", broken_replace)
     with pytest.raises(OSError):
-        runs.atomic_json(path, {"run_id": "new"})
+        folders.atomic_json(path, {"run_id": "new"})
     assert json.loads(path.read_text()) == {"run_id": "old"}
     assert [p.name for p in tmp_path.iterdir()] == ["rank0.json"]      # no temporary left
 
 
 def test_manifest_records_the_run(tmp_path):
     out = tmp_path / "o"
-    with runs.start_run(out, command="train", args={"steps": 2}, world_size=2) as run:
+    with folders.start_run(out, command="train", args={"steps": 2}, world_size=2) as run:
         fake_rank(out, run.run_id, 0, 0, 2)
-        m = runs.read_manifest(out)
-        assert m["status"] == "running" and runs.in_use(out)
-    m = runs.read_manifest(out)
+        m = folders.read_manifest(out)
+        assert m["status"] == "running" and folders.in_use(out)
+    m = folders.read_manifest(out)
     assert m["run_id"] == run.run_id and m["world_size"] == 2 and m["args"] == {"steps": 2}
     assert m["status"] == "ok" and m["files"] == ["stage0/rank0.json"]
     assert {"python", "torch", "zerolab"} <= set(m["versions"]) and m["started"] <= m["finished"]
@@ -175,7 +177,7 @@ def test_load_params_never_runs_a_planted_pickle(tmp_path):
     marker = tmp_path / "marker"
     torch.save({"params": {"w": Payload(str(marker))}}, out / "stage0" / "params.pt")
     with pytest.raises(pickle.UnpicklingError):
-        labs.load_params(out, 0)
+        results.load_params(out, 0)
     assert not marker.exists()
 
 
@@ -190,12 +192,12 @@ def test_load_params_reads_only_the_file_its_run_wrote(tmp_path):
     path = out / "stage0" / "params.pt"
     torch.save({"w": torch.ones(2)}, path)
     r0 = json.loads((out / "stage0" / "rank0.json").read_text())
-    runs.atomic_json(out / "stage0" / "rank0.json",
+    folders.atomic_json(out / "stage0" / "rank0.json",
                      {**r0, "params_sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
-    assert torch.equal(labs.load_params(out, 0)["w"], torch.ones(2))
+    assert torch.equal(results.load_params(out, 0)["w"], torch.ones(2))
     torch.save({"w": torch.zeros(2)}, path)          # replaced behind the run's back
     with pytest.raises(ValueError, match=f"not the file run {run_id} wrote there"):
-        labs.load_params(out, 0)
+        results.load_params(out, 0)
 
 
 def test_every_torch_load_in_the_package_passes_weights_only_true():
@@ -211,22 +213,21 @@ def test_every_torch_load_in_the_package_passes_weights_only_true():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 assert not {"pickle", "cPickle", "dill"} & set(names), f"{path.name} imports pickle"
-    assert calls                                # labs.load_params at least
+    assert calls                                # results.load_params at least
 
 
 def test_cuda_snapshot_plot_reads_json_and_never_unpickles(tmp_path):
-    from zerolab import plots
     marker = tmp_path / "marker"
     planted = tmp_path / "stage0" / "rank0_snapshot.json"
     planted.parent.mkdir()
     planted.write_bytes(pickle.dumps(Payload(str(marker))))
     with pytest.raises(ValueError):                # not JSON: refused, nothing ran
-        plots.cuda_snapshot(planted)
+        timeplots.cuda_snapshot(planted)
     assert not marker.exists()
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"run_id": "r", "snapshot": {"device_traces": [[
         {"action": "alloc", "size": 1 << 20}, {"action": "free_completed", "size": 1 << 20}]]}}))
-    fig = plots.cuda_snapshot(good)
+    fig = timeplots.cuda_snapshot(good)
     ys = fig.axes[0].lines[0].get_ydata()
     assert list(ys) == [pytest.approx((1 << 20) / 1e6), 0.0]
     lab3 = json.loads((ROOT / "labs" / "lab3_step_timeline.ipynb").read_text())

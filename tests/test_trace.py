@@ -13,7 +13,8 @@ import json
 import pytest
 import torch
 from conftest import run_zerolab
-from zerolab import costmodel, trace
+from zerolab.timing import costmodel, trace
+from zerolab.timing import hardware
 from zerolab.comm import Record
 from zerolab.model import GPT, get_config
 
@@ -33,7 +34,7 @@ def _ledger(out, stage, rank):
 
 
 def test_trace_labels_every_collective(traced):
-    from zerolab.report import load_run
+    from zerolab.course.results import load_run
     assert len(load_run(traced)[3]) == 2           # the trace files are not taken for rank JSONs
     for rank in (0, 1):
         path = traced / "stage3" / f"trace_rank{rank}.json"
@@ -55,7 +56,7 @@ def test_trace_labels_every_collective(traced):
         issue, wait = spans[f"issue {name}"][0], spans[f"wait {name}"][0]
         took = wait.end_s - issue.start_s
         model = costmodel.collective_time("all_gather", root.size_bytes, 2,
-                                          costmodel.get_link(gbps=0.01))
+                                          hardware.get_link(gbps=0.01))
         assert model > 5e-3 and took >= 0.98 * model, (took, model)
 
 

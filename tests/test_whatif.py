@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import run_ranks
 
-from zerolab import STRATEGIES, theory, whatif
+from zerolab import STRATEGIES, theory
+from zerolab.timing import whatif
 from zerolab.comm import Comm
 from zerolab.model import GPT, get_config
 from zerolab.sharding import storage_bytes

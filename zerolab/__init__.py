@@ -1,17 +1,31 @@
 """zerolab: hand-written DDP and ZeRO-1/2/3 that measure every byte they hold and move.
 
-Layers (each imports only from those above it):
-    theory     formulas: bytes per rank per stage, traffic per step, busbw factors
-    costmodel  time: α-β collectives, FLOPs, a step replayed per stage (linkemu: emulated link)
-    comm       every collective, recorded in a per-rank ledger
-    sharding   flat buffers, padding, owned ranges, buckets / blocks
-    optim      torch's AdamW on flat shards (decay groups, parameters without a gradient)
-    ddp, zero1, zero2, zero3   the strategies (forward / backward / step)
-    memory     measured bytes by category, allocator cross-check
-    model, data  the GPT and the text
-    train      torchrun entry point: config -> run -> stage{S}/rank{r}.json
-    checkpoint sharded save, resume at any world size / stage, offline consolidate
-    launch, cli  zerolab memory | time | whatif | train | compare | bench | labs | checkpoint
+The package is laid out as the course is. The top level is the lesson: the four strategies and
+the few modules they stand on, read in this order, each importing only those above it:
+
+    theory      formulas: bytes per rank per stage, traffic per step, busbw factors
+    model, data the GPT and the text
+    comm        every collective, recorded in a per-rank ledger (and labelled in a profile)
+    sharding    flat buffers, padding, owned ranges, buckets / blocks, gradient hooks
+    optim       torch's AdamW on flat shards (decay groups, parameters without a gradient)
+    memory      measured bytes by category, peaks, allocator cross-check
+    ddp, zero1, zero2, zero3   the strategies: __init__ / forward / backward / step
+
+Everything else lives in three wings below it, which the lesson never imports, and one door:
+
+    timing/     the time side: cost model, link and device profiles, link emulator, traces,
+                one rank of a large world (whatif)
+    run/        running a training job: every option once (options), the launcher's side
+                (job, launch), the ranks' side (rank, train, stage, result), run folders,
+                preflight checks, sharded checkpoints
+    course/     the course's tools: reading runs back, measured-vs-formula checks, plots, the
+                labs and their runner, notebook helpers (nb), reference runs, doctor, demos,
+                bench, exercises
+    cli/        the `zerolab` command (`python -m zerolab`)
+
+Each wing imports only the lesson and the wings listed above it (timing < run < course < cli);
+`import-linter` checks this on every test run (the contracts in pyproject.toml).
+`from zerolab import nb` is the notebooks' door to `zerolab.course.nb`, resolved on first use.
 """
 from .ddp import DDP
 from .zero1 import ZeRO1
@@ -20,3 +34,14 @@ from .zero3 import ZeRO3
 
 __version__ = "0.1.0"
 STRATEGIES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
+
+# names a learner imports from the package itself that live in a wing, resolved on first use so
+# that `import zerolab` loads the lesson only
+_DOORS = {"nb": "zerolab.course.nb"}
+
+
+def __getattr__(name):
+    if name in _DOORS:
+        import importlib
+        return importlib.import_module(_DOORS[name])
+    raise AttributeError(f"module 'zerolab' has no attribute {name!r}")

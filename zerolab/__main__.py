@@ -1,3 +1,4 @@
+"""`python -m zerolab ...` is the `zerolab` command (zerolab.cli)."""
 import sys
 
 from .cli import main

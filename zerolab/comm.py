@@ -6,7 +6,7 @@ params / metric) and for which bucket or block; the ledger keeps op, phase, dtyp
 size, per-rank ring bytes, wall time, algbw and busbw. Summing the ledger per step gives the
 measured traffic that the labs put next to `theory.traffic_bytes`.
 
-    torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 2 --preset tiny --steps 3
+    torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 2 --preset tiny --steps 3
 
 Conventions (nccl-tests PERFORMANCE.md): S is the full, unsharded array in bytes; a rank moves
 2(n-1)/n·S for all_reduce, (n-1)/n·S for reduce_scatter and all_gather, S for broadcast; algbw =
@@ -41,9 +41,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 import torch.distributed as dist
+from torch.profiler import record_function
 
-from . import theory, trace
+from . import theory
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases (2.11 on the GPU
 # machine) only have the old names. This is the one compatibility shim.
@@ -90,6 +92,50 @@ class Record:
     def busbw(self) -> float:
         """algbw × ring factor, in bytes/s (nccl-tests)."""
         return theory.busbw(self.op, self.size_bytes, self.time_s, self.group_size)
+
+
+# --- labels in a profile: each collective's issue and wait, named by its record ------------------
+# (zerolab.timing.trace writes and reads the traces; the ranges cost one attribute read when no
+# profiler is recording)
+def label(record) -> str:
+    """"all_gather params block.3 [forward]": a Record as a trace label."""
+    return f"{record.op} {record.what} {record.unit or '-'} [{record.phase}]".replace("  ", " ")
+
+
+def _profiling() -> bool:
+    return bool(_autograd_profiler._is_profiler_enabled)
+
+
+@contextlib.contextmanager
+def _issuing(record):
+    """A range "issue LABEL" around the call that starts a collective (when profiling)."""
+    if not _profiling():
+        yield
+        return
+    with record_function(f"issue {label(record)}"):
+        yield
+
+
+class LabelledWork:
+    """Wraps a Work (or linkemu.EmulatedWork): its wait() is a range "wait LABEL" in the trace."""
+
+    def __init__(self, work, name: str):
+        self.work, self.name = work, name
+
+    def wait(self, *args):
+        with record_function(self.name):
+            return self.work.wait(*args)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def __getattr__(self, name):            # e.g. NCCL's _get_duration: the real Work's
+        return getattr(self.work, name)
+
+
+def _waiting(work, record):
+    """`work` itself, or a LabelledWork when a profiler is recording."""
+    return LabelledWork(work, f"wait {label(record)}") if _profiling() and work is not None else work
 
 
 @dataclass
@@ -239,13 +285,13 @@ class Comm:
         self.records.append(record)
         handle = Handle(work=None, record=record, started=time.perf_counter(), comm=self,
                         cuda=full.is_cuda, post=post)
-        with trace.issuing(record):              # labelled ranges in a --trace profile
+        with _issuing(record):                   # labelled ranges in a --trace profile
             handle.work = call()
         if self.backend != "nccl":
             self._stamp_completion(handle)
         if self.link is not None:                # emulated network: done no sooner than the model
             handle.work = self.link.issue(handle.work, op, size, handle)
-        handle.work = trace.waiting(handle.work, record)
+        handle.work = _waiting(handle.work, record)
         self._pending.append(handle)
         if not async_op:
             handle.wait()

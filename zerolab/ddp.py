@@ -6,7 +6,7 @@ all-reduced, so every rank ends backward with the same averaged full gradient; e
 runs the same AdamW on its full fp32 master weights, exp_avg and exp_avg_sq, and the replicas stay
 identical without any further communication. Per rank: 2Ψ + 2Ψ + 12Ψ = 16Ψ bytes.
 
-    torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 0 --preset tiny --steps 3
+    torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 0 --preset tiny --steps 3
 
 Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py: __init__ (who holds what) / forward /
 backward (+ its hooks) / step / state_tensors / full_parameters / shard_state / load_state.
@@ -137,7 +137,7 @@ class DDP:
     # --- checkpoint: this rank's range out, logical (unpadded) state in -----------------------
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
-        [Ψ_u/N] of each state (zerolab.checkpoint writes them). DDP holds every state in full
+        [Ψ_u/N] of each state (zerolab.run.checkpoint writes them). DDP holds every state in full
         but writes only its own 1/N of it, like the ZeRO stages."""
         return {u.name: {"params": u.own(u.param_flat),
                          **adam_state(self.optimizer, u.master, u.own)} for u in self.units}

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from pathlib import Path
 
 import torch
 
@@ -175,26 +174,27 @@ SNAPSHOT_MAX_ENTRIES = 200_000
 
 
 @contextlib.contextmanager
-def cuda_memory_history(path: Path, max_entries: int = SNAPSHOT_MAX_ENTRIES, tag: dict | None = None):
-    """Record the CUDA caching allocator's history inside the block and write it to `path` as
-    JSON, which `zerolab.plots` draws offline with matplotlib (torch's HTML viewer needs the
-    internet). JSON, not torch's `_dump_snapshot` pickle: reading a snapshot must never unpickle
-    (run) a file someone else put there. The file holds `tag` (e.g. the run id) and "snapshot":
-    torch's snapshot dict (`torch.cuda.memory._snapshot()`) plus "zerolab": {"allocated_at_start",
-    "allocated_at_end" (bytes), "max_entries"}: the history keeps only the last `max_entries`
-    events, and blocks allocated before recording began are freed inside it, so a plot needs
-    both. CUDA only."""
-    from .runs import atomic_json
+def cuda_memory_history(max_entries: int = SNAPSHOT_MAX_ENTRIES):
+    """Record the CUDA caching allocator's history inside the block; yields a dict that holds,
+    once the block ends, "snapshot": torch's snapshot dict (`torch.cuda.memory._snapshot()`)
+    plus "zerolab": {"allocated_at_start", "allocated_at_end" (bytes), "max_entries"}: the
+    history keeps only the last `max_entries` events, and blocks allocated before recording
+    began are freed inside it, so a plot needs both. The training run writes it as JSON
+    (OUT/stage{S}/rank{r}_snapshot.json), which `zerolab.course.timeplots.cuda_snapshot` draws
+    offline with matplotlib (torch's HTML viewer needs the internet); JSON, not torch's
+    `_dump_snapshot` pickle: reading a snapshot must never unpickle (run) a file someone else
+    put there. CUDA only."""
     start = torch.cuda.memory_allocated()
+    record: dict = {}
     torch.cuda.memory._record_memory_history(max_entries=max_entries)
     try:
-        yield
+        yield record
     finally:
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         snap["zerolab"] = {"allocated_at_start": start, "max_entries": max_entries,
                            "allocated_at_end": torch.cuda.memory_allocated()}
-        atomic_json(path, {**(tag or {}), "snapshot": snap}, default=str)
+        record["snapshot"] = snap
 
 
 def padding_bytes(units, stage: int, precision: str = "bf16", grad_dtype=None) -> dict[str, int]:

@@ -19,7 +19,7 @@ of the flat master, gradient, exp_avg and exp_avg_sq buffers, once for the decay
 and once for the others, skipping the parameters that `used` marks False. The state stays flat:
 `state[master] = {"exp_avg": [M] fp32, "exp_avg_sq": [M] fp32, "step": [P] fp32}`, with one step
 count per parameter of the unit (P of them), as torch keeps one per parameter. A scalar "step"
-(what zerolab.checkpoint restores) is taken as the count of every parameter.
+(what zerolab.run.checkpoint restores) is taken as the count of every parameter.
 """
 from __future__ import annotations
 

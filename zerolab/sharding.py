@@ -22,7 +22,6 @@ import math
 import torch
 
 from . import theory
-from .preflight import check_finite
 
 ROOT = "root"
 
@@ -173,7 +172,7 @@ def bucket_numel(bucket_mb: float | None, model: torch.nn.Module, grad_dtype=Non
     block). Raises ValueError (one line) unless bucket_mb is a finite number > 0."""
     if bucket_mb is None:
         return None
-    mb = check_finite("bucket_mb", bucket_mb, positive=True)
+    mb = theory.check_finite("bucket_mb", bucket_mb, positive=True)
     dtype = grad_dtype or next(iter(model.parameters())).dtype
     return max(1, int(mb * theory.MIB // torch.empty(0, dtype=dtype).element_size()))
 
@@ -416,7 +415,7 @@ def write_back(strategy, modifier_rank: int, sharded: bool):
                 u.param_shard.copy_(own)
 
 
-# --- checkpoints: one unit's AdamW state out and in (zerolab.checkpoint) ---------------------
+# --- checkpoints: one unit's AdamW state out and in (zerolab.run.checkpoint) ---------------------
 def adam_state(optimizer, master: torch.Tensor, own=None) -> dict[str, torch.Tensor]:
     """{"master", "exp_avg", "exp_avg_sq"} of the fp32 tensor `master` (views, fp32), each
     through `own` (e.g. FlatUnit.own, when `master` is a full replica); zeros before step 1."""

@@ -53,6 +53,22 @@ def check_world_size(world_size) -> int:
     return world_size
 
 
+def check_finite(flag: str, value, *, positive: bool = False, minimum: float | None = None) -> float:
+    """`value` as a float; ValueError unless it is a finite number (> 0 when `positive`,
+    >= `minimum` when given)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} {value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{flag} {value!r} must be a finite number")
+    if positive and not number > 0:
+        raise ValueError(f"{flag} {value!r} must be > 0")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{flag} {value!r} must be >= {minimum:g}")
+    return number
+
+
 def is_sharded(state: str, stage: int) -> bool:
     """True when `state` (one of STATES) is held 1/N per rank at `stage`."""
     return check_stage(stage) >= SHARDED_FROM_STAGE[state]

@@ -8,7 +8,7 @@ everyone. Per rank: 2Ψ + 2Ψ + 12Ψ/N bytes (5.5Ψ at N = 8). The gradient path
 all_reduce (3(n-1)/n·2Ψ bytes a step with the all_gather) or, with grad_op="reduce_scatter", a
 reduce_scatter that leaves only the owned range averaged (2(n-1)/n·2Ψ bytes).
 
-    torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 1 --preset tiny --steps 3
+    torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 1 --preset tiny --steps 3
 
 Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py: __init__ (who holds what) / forward /
 backward (+ its hooks) / step / state_tensors / full_parameters / shard_state / load_state.
@@ -157,7 +157,7 @@ class ZeRO1:
     # --- checkpoint: this rank's range out, logical (unpadded) state in -----------------------
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
-        [Ψ_u/N] of each state (zerolab.checkpoint writes them)."""
+        [Ψ_u/N] of each state (zerolab.run.checkpoint writes them)."""
         return {u.name: {"params": u.own(u.param_flat), **adam_state(self.optimizer, u.master)}
                 for u in self.units}
 

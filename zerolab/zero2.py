@@ -9,7 +9,7 @@ buckets (two reducing, one filling) - whatever the depth of the model; with `buc
 holds several consecutive blocks, so fewer reduce_scatters and a higher peak
 (`theory.zero2_bucket_peak_bytes`). The update is ZeRO-1's: own range, then all_gather. Per rank: 2Ψ + (2Ψ + 12Ψ)/N bytes (3.75Ψ at N = 8); traffic 2(n-1)/n·2Ψ a step.
 
-    torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 2 --preset tiny --steps 3
+    torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 2 --preset tiny --steps 3
 
 Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py: __init__ (who holds what) / forward /
 backward (+ its hooks) / step / state_tensors / full_parameters / shard_state / load_state.
@@ -170,7 +170,7 @@ class ZeRO2:
     # --- checkpoint: this rank's range out, logical (unpadded) state in -----------------------
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
-        [Ψ_u/N] of each state (zerolab.checkpoint writes them)."""
+        [Ψ_u/N] of each state (zerolab.run.checkpoint writes them)."""
         return {u.name: {"params": u.own(u.param_flat), **adam_state(self.optimizer, u.master)}
                 for u in self.units}
 

@@ -10,7 +10,7 @@ By default (prefetch=1) the next block's all_gather is issued while the current 
 the same bytes, one more gathered block alive. prefetch=0 (`--no-zero3-prefetch`) is the notes'
 picture, one block gathered at a time, every gather on the critical path.
 
-    torchrun --standalone --nproc-per-node 4 -m zerolab.train --stage 3 --preset tiny --steps 3
+    torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 3 --preset tiny --steps 3
 
 Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py: __init__ (who holds what) / forward /
 backward (+ its hooks) / step / state_tensors / full_parameters / shard_state / load_state.
@@ -271,7 +271,7 @@ class ZeRO3:
     # --- checkpoint: this rank's range out, logical (unpadded) state in -----------------------
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
-        [Ψ_u/N] of each state (zerolab.checkpoint writes them)."""
+        [Ψ_u/N] of each state (zerolab.run.checkpoint writes them)."""
         return {u.name: {"params": u.param_shard, **adam_state(self.optimizer, u.master)}
                 for u in self.units}
 

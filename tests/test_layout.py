@@ -1,0 +1,134 @@
+"""The package's shape: the lesson at the top of zerolab/, the wings below it, no import circles.
+
+The rules are import-linter contracts in pyproject.toml (`lint-imports` checks them): these tests
+run it on the package as it is, show that each contract fails when an import breaks it (so a kept
+contract means something), and hold the README's tree and the files' length to the disk.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "zerolab"
+LINT = ("import sys; from importlinter.cli import lint_imports; "
+        "sys.exit(lint_imports(no_cache=True, no_logo=True))")
+MAX_LINES = 450             # the aim is ~400: one concern per file, readable top to bottom
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` with the contracts of pyproject.toml, on the package found under `root`."""
+    return subprocess.run([sys.executable, "-c", LINT], cwd=root, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+
+
+def test_the_contracts_hold():
+    res = lint(ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "3 kept, 0 broken" in res.stdout, res.stdout
+
+
+@pytest.fixture
+def copy(tmp_path):
+    """A copy of the package's code (no data) and of the contracts, to break on purpose."""
+    shutil.copytree(PACKAGE, tmp_path / "zerolab",
+                    ignore=shutil.ignore_patterns("__pycache__", "reference_runs"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+@pytest.mark.parametrize("file, line, broken, says", [
+    # the lesson reaching into a wing (what comm -> trace and sharding -> preflight were)
+    ("theory.py", "from .run import preflight", "lesson -> wings -> cli",
+     "zerolab.theory is not allowed to import zerolab.run"),
+    # a wing reaching up into a higher one (what train -> report was)
+    ("timing/whatif.py", "from ..course import results", "lesson -> wings -> cli",
+     "zerolab.timing is not allowed to import zerolab.course"),
+    # a strategy importing another: the strategies stay independent (diff them, don't chain them)
+    ("zero3.py", "from . import zero2", "lesson -> wings -> cli",
+     "zerolab.zero3 is not allowed to import zerolab.zero2"),
+    # a circle inside one wing (what labs -> nb -> cli -> labs was)
+    ("course/results.py", "from . import plots", "no import circles",
+     "It could be made acyclic"),
+    # the lesson importing a notebook tool
+    ("memory.py", "import matplotlib", "import no plotting", "zerolab.memory is not allowed to import matplotlib"),
+])
+def test_each_contract_fails_when_an_import_breaks_it(copy, file, line, broken, says):
+    path = copy / "zerolab" / file
+    text = path.read_text()
+    head = text.index("\nfrom __future__ import annotations\n") + 1 if "from __future__" in text else 0
+    cut = text.index("\n", head) + 1 if head else 0
+    path.write_text(text[:cut] + line + "  # noqa\n" + text[cut:])
+    res = lint(copy)
+    assert res.returncode != 0, res.stdout
+    out = " ".join(res.stdout.split())
+    assert f"{broken}" in out and "BROKEN" in out, res.stdout
+    assert says in out, res.stdout
+
+
+def readme_tree() -> set[str]:
+    """The folders README's "The package" tree names, as paths from the checkout's root."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The package"):]
+    block = section[section.index("```\n") + 4:]
+    block = block[:block.index("```")]
+    folders, stack = set(), []
+    for line in block.splitlines():
+        m = re.match(r"^([│├└─ ]*)(\S+/)\s", line + " ")
+        if not m:
+            continue
+        depth = len(m.group(1)) // 4
+        stack[depth:] = [m.group(2).rstrip("/")]
+        folders.add("/".join(stack))
+    return folders
+
+
+def disk_tree() -> set[str]:
+    """zerolab/ and every folder inside one of its packages (data folders too), from the disk."""
+    out = {"zerolab"}
+    for d in PACKAGE.rglob("*"):
+        if (d.is_dir() and d.name != "__pycache__" and (d.parent / "__init__.py").exists()
+                and not any(p.name == "__pycache__" for p in d.parents)):
+            out.add(d.relative_to(ROOT).as_posix())
+    return out
+
+
+def test_readme_tree_matches_the_disk():
+    assert readme_tree() == disk_tree()
+
+
+def test_the_top_of_the_package_is_the_lesson():
+    """Only the lesson's modules (and the package's two doors) lie at the top of zerolab/."""
+    lesson = {"theory", "model", "data", "comm", "sharding", "optim", "memory",
+              "ddp", "zero1", "zero2", "zero3"}
+    top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__"}
+    assert top == lesson
+    doc = (PACKAGE / "__init__.py").read_text()
+    assert all(re.search(rf"\b{name}\b", doc) for name in lesson)
+
+
+def test_every_file_stays_readable():
+    long = {p.relative_to(ROOT).as_posix(): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_learners_doors_still_open():
+    """`from zerolab import nb, theory` (the notebooks' first line) and `python -m zerolab`."""
+    res = subprocess.run([sys.executable, "-c", "from zerolab import nb, theory; "
+                          "import sys; print(nb.__name__, theory.__name__, "
+                          "'zerolab.course.nb' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == ["zerolab.course.nb", "zerolab.theory", "True"], res.stderr
+    res = subprocess.run([sys.executable, "-c", "import zerolab, sys; "
+                          "print(sorted(m for m in sys.modules if m.startswith('zerolab.')))"],
+                         capture_output=True, text=True, timeout=60)
+    assert not re.search(r"zerolab\.(course|run|timing|cli)", res.stdout), res.stdout
+    res = subprocess.run([sys.executable, "-m", "zerolab", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0 and "compare" in res.stdout

@@ -1,0 +1,7 @@
+"""The `zerolab` command (`python -m zerolab`): the door to everything else, above every wing.
+
+`commands.py` holds its parser and one short function per subcommand.
+"""
+from .commands import build_parser, main
+
+__all__ = ["build_parser", "main"]

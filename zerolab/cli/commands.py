@@ -1,0 +1,273 @@
+"""The `zerolab` command: memory | time | whatif | train | compare | bench | labs | checkpoint |
+check | doctor.
+
+    zerolab memory --params 7.5e9 --world-size 64     # the ZeRO paper's table, from the formulas
+    zerolab train --stage 2 --nproc 4                  # one stage under torchrun
+    zerolab compare                                    # stages 0-3 on this machine: the main job
+    zerolab labs                                       # execute every lab notebook, write a report
+    zerolab check ddp --impl my_ddp.py                 # grade an exercise (zerolab.course.exercises)
+    zerolab doctor                                     # is this machine ready for the course?
+    zerolab checkpoint consolidate DIR OUT             # sharded checkpoint -> plain GPT state dict
+
+Each subcommand is a few lines that hand over to the package: the training options and their
+checks are `zerolab.run.options`, a launch is `zerolab.run.job`. Every subcommand checks its
+arguments before any process starts and exits 2 with one line naming the bad value; a failed
+launch exits 1 with the failing rank's traceback; an interrupted one 130.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .. import theory
+from ..run import job, options
+from ..run.folders import atomic_json
+from ..run.launch import LaunchError, LaunchInterrupted, run_torchrun
+
+number, positive_number = options.number(), options.positive_number
+
+
+class HELP(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" once: not when the help text already names its default, and not
+    for on/off flags (their default is always off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or isinstance(action, argparse._StoreTrueAction):
+            return text
+        return super()._get_help_string(action)
+
+
+# the formula commands' options (memory, time, whatif), each defined once: flags, keywords
+FORMULA = {
+    "params": (("--params",), dict(type=positive_number, default=7.5e9, help="Ψ, e.g. 7.5e9")),
+    "world_size": (("--world-size",), dict(type=int, default=64, help="data-parallel ranks N")),
+    "precision": (("--precision",), dict(default="bf16", choices=("bf16", "fp32"),
+                                         help="bytes per gradient and weight")),
+    "grad_dtype": (("--grad-dtype",), dict(default=None, choices=("bf16", "fp32"), help=(
+        "gradient dtype (default: --precision); fp32: 18 bytes/param"))),
+    "tokens": (("--tokens-per-rank",), dict(type=positive_number, default=4096,
+                                            help="tokens per rank per step")),
+    "link": (("--link",), dict(default="ib-ndr", help="a named link profile "
+                                                      "(timing.hardware.LINKS; a wrong name lists them)")),
+    "device": (("--device",), dict(default="h100", help="a named device profile "
+                                                        "(timing.hardware.DEVICES)")),
+}
+
+
+def _formula(p, *names, **defaults):
+    for name in names:
+        flags, kw = FORMULA[name]
+        p.add_argument(*flags, **{**kw, **({"default": defaults[name]} if name in defaults else {})})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerolab", description="Hand-written DDP and ZeRO-1/2/3, measured.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name, text):
+        return sub.add_parser(name, formatter_class=HELP, help=text)
+
+    mem = command("memory", "per-rank model-state bytes and traffic from the formulas")
+    _formula(mem, "params", "world_size", "precision")
+    mem.add_argument("--optimizer-bytes", type=positive_number, default=None, help="K (default 12)")
+    _formula(mem, "grad_dtype")
+
+    tm = command("time", "per-stage step time from the cost model (timing/costmodel.py)")
+    _formula(tm, "params", "world_size", "tokens")
+    tm.add_argument("--blocks", type=int, default=32, help="equal blocks (ZeRO-3 gathers one at a time)")
+    _formula(tm, "link")
+    tm.add_argument("--link-gbps", type=positive_number, default=None, help="custom bandwidth, Gb/s per rank per direction")
+    tm.add_argument("--link-latency-us", type=float, default=None,
+                    help="custom α, us per ring step (default: the named link's)")
+    _formula(tm, "device")
+    tm.add_argument("--device-tflops", type=positive_number, default=None, help="custom peak, TFLOP/s")
+    tm.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak reached (MFU)")
+    _formula(tm, "precision")
+
+    wi = command("whatif", "one rank of a large world on a fake process group (timing/whatif.py)")
+    wi.add_argument("--preset", default="1b", help="nano, tiny, small, gpt2, medium, 1b")
+    _formula(wi, "world_size", world_size=1024)
+    wi.add_argument("--rank", type=int, default=0, help="which rank to run")
+    wi.add_argument("--stage", "--stages", dest="stages", default="0,1,2,3", help="stage or comma list")
+    _formula(wi, "precision", "tokens", "link", "device")
+
+    from ..course import bench
+    bench.parser(command("bench", "zerolab stages vs torch DDP / ZeRO optimizer / FSDP2, "
+                                  "interleaved (course/bench.py)"), launcher=True)
+
+    train = command("train", "train one or more stages under torchrun")
+    options.parser("train", train)
+    compare = command("compare", "stages 0-3, same seed and data: table + JSON + PNG")
+    options.parser("compare", compare)
+
+    labs = command("labs", "execute every lab notebook with papermill, write a report")
+    labs.add_argument("--out", default="runs/labs", help="executed labs and report.md")
+    labs.add_argument("--only", default=None, help="comma list of lab name fragments")
+    labs.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
+                      help="papermill parameter override for every lab (repeatable)")
+    labs.add_argument("--timeout", type=positive_number, default=900, help="seconds per lab")
+    labs.add_argument("--overwrite", action="store_true",
+                      help="replace the labs run OUT already holds (default: refuse)")
+    labs.add_argument("--reference", action="store_true",
+                      help="plot the committed CPU reference run instead of launching ranks")
+
+    chk = command("check", "grade your code for an exercise on gloo ranks (zerolab.course.exercises)")
+    chk.add_argument("exercise", nargs="?", default=None,
+                     help="shard_range, ddp, zero1, zero2 or zero3")
+    chk.add_argument("--impl", default=None, help="your .py file (or a dotted module)")
+    chk.add_argument("--nproc", type=int, default=3, help="gloo ranks, 2-4")
+    chk.add_argument("--timeout", type=float, default=90, help="seconds before the ranks are killed")
+    chk.add_argument("--list", action="store_true", help="list the exercises and their skeletons")
+
+    command("doctor", "check this machine for the course (each line OK or the fix; < 30 s)")
+
+    ck = sub.add_parser("checkpoint", help="work with saved checkpoints (zerolab train --save-every)")
+    actions = ck.add_subparsers(dest="action", required=True)
+    c = actions.add_parser("consolidate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           help="offline: full fp32 state dict for a plain GPT (like zero_to_fp32.py)")
+    c.add_argument("dir", help="a step_* folder, OUT/stage{S}/checkpoints (its latest) or OUT/stage{S}")
+    c.add_argument("out", help="output file: torch.save'd state dict (weights_only-loadable)")
+    c.add_argument("--safetensors", action="store_true", help="write OUT with safetensors instead")
+    c.add_argument("--optimizer", default=None, metavar="PATH",
+                   help="also write the AdamW state in torch's optimizer.state_dict() layout")
+    c.add_argument("--dcp", default=None, metavar="DIR",
+                   help="also write the model as a torch.distributed.checkpoint folder (FSDP2)")
+    return parser
+
+
+# --- the formulas ------------------------------------------------------------------------------
+def cmd_memory(args) -> int:
+    theory.check_world_size(args.world_size)
+    print(theory.format_memory_table(args.params, args.world_size, args.precision, args.optimizer_bytes,
+                                     grad_dtype=args.grad_dtype))
+    print("\nalive inside the optimizer step (resident + fp32 gradient copies), GB")
+    print(theory.format_step_peaks(args.params, args.world_size, args.precision, args.grad_dtype))
+    print(f"\nbytes sent per rank per step (ring algorithm, {args.precision} grads/params), GB")
+    for stage in theory.STAGES:
+        variants = ("all_reduce", "reduce_scatter") if stage == 1 else ("all_reduce",)
+        for op in variants:
+            t = theory.traffic_bytes(args.params, args.world_size, stage, args.precision, op,
+                                     grad_dtype=args.grad_dtype)
+            label = theory.STAGE_NAMES[stage] + (f" ({op})" if stage == 1 else "")
+            parts = ", ".join(f"{k} {v / 1e9:.4g}" for k, v in t.items() if v)
+            print(f"  {label:<26} {sum(t.values()) / 1e9:>9.4g}   = {parts or 'none'}")
+    return 0
+
+
+def cmd_time(args) -> int:
+    from ..timing import costmodel, hardware
+    theory.check_world_size(args.world_size)
+    link = hardware.get_link(args.link, args.link_gbps, args.link_latency_us)
+    device = hardware.get_device(args.device, args.device_tflops)
+    print(costmodel.format_time_table(args.params, args.world_size, args.tokens_per_rank, link, device,
+                                      args.blocks, args.precision, args.efficiency))
+    return 0
+
+
+def cmd_whatif(args) -> int:
+    from ..timing import hardware, whatif
+    theory.check_world_size(args.world_size)
+    link, device = hardware.get_link(args.link), hardware.get_device(args.device)
+    reports = whatif.whatif(args.preset, args.world_size, options.parse_stages(args.stages),
+                            rank=args.rank, precision=args.precision)
+    print(whatif.format_whatif(reports, link, device, args.tokens_per_rank, args.precision))
+    return 0
+
+
+# --- launches ----------------------------------------------------------------------------------
+def cmd_bench(args) -> int:
+    from ..course import bench
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc} must be >= 1")
+    bench.check_args(args, args.nproc)
+    print(f"zerolab bench: {args.nproc} gloo rank(s), preset {args.preset}", flush=True)
+    module = "zerolab.course.metercost" if args.meter_cost else bench.MODULE
+    run_torchrun(bench.rank_argv(args), args.nproc, timeout=args.timeout, module=module)
+    return 0
+
+
+def _launch(args, command: str) -> None:
+    """Check, own --out, start the ranks (zerolab.run.job)."""
+    given = options.given_options(build_parser(), args.argv) if getattr(args, "resume", None) else None
+    backend, device = job.check(args, given)
+    with job.started(args, command) as run_id:
+        job.start_ranks(args, run_id, backend, device)
+
+
+def cmd_train(args) -> int:
+    _launch(args, "train")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from ..course.plots import plot_compare
+    from ..course.results import load_run
+    from ..run.result import compare_rows, format_rows
+    backend, device = job.check(args)       # compare has no --resume
+    with job.started(args, "compare") as run_id:
+        job.start_ranks(args, run_id, backend, device)      # rank 0 prints its own numbers
+        runs = load_run(args.out)
+        rows = compare_rows(runs)                # every rank's: the maxima over ranks
+        if any(r["model_states"] != r["theory_states"] or r["traffic"] != r["theory_traffic"]
+               for r in rows):
+            print("\nsome rank differs from the formula; maxima over all ranks:")
+            print(format_rows(rows))
+        out = Path(args.out)
+        atomic_json(out / "compare.json", {"run_id": run_id, "rows": rows})
+        png = plot_compare(runs, out / "compare.png")
+    print(f"\nwrote {out / 'compare.json'} and {png}")
+    return 0
+
+
+# --- the course's tools ------------------------------------------------------------------------
+def cmd_checkpoint(args) -> int:
+    from ..run.consolidate import consolidate_command
+    return consolidate_command(args)          # the only action so far: consolidate
+
+
+def cmd_labs(args) -> int:
+    from ..course.labs import run_labs
+    if args.reference:                       # papermill's kernels inherit the environment
+        os.environ["ZEROLAB_REFERENCE"] = "1"
+    return run_labs(args)
+
+
+def cmd_check(args) -> int:
+    from ..course.exercises import cli_check
+    return cli_check(args)
+
+
+def cmd_doctor(args) -> int:
+    from ..course.doctor import main as doctor_main
+    return doctor_main()
+
+
+COMMANDS = {"memory": cmd_memory, "time": cmd_time, "whatif": cmd_whatif, "bench": cmd_bench,
+            "train": cmd_train, "compare": cmd_compare, "labs": cmd_labs,
+            "checkpoint": cmd_checkpoint, "check": cmd_check, "doctor": cmd_doctor}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except LaunchInterrupted as err:
+        print(f"zerolab {args.command}: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"zerolab {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except LaunchError as err:
+        print(f"zerolab {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Reference results: a committed CPU run of every lab, so that a class can still plot when a
+launch fails (or a machine is too slow).
+
+Idea: `zerolab/course/reference_runs/` holds what each lab reads back from its launches, from one
+`zerolab labs` run on the reference machine (2 CPU cores, gloo, torch 2.13), stored under the path
+each lab launched into, from the lab's folder on (e.g. `lab2_traffic_by_stage/notes`): the rank
+JSONs (`stage{S}/rank{r}.json`, a few KB each; lab 6's step times are in them), the Chrome
+traces of labs 3 and 6 (`stage{S}/trace_rank{r}.json`, cut to the ranges `trace.spans` reads:
+compute phases and blocks, each collective's issue, wait and run; a few KB) and, for lab 5, the
+per-parameter differences to DDP (`param_diffs.json`, written by `results.param_diffs`) instead of
+the binary `params.pt` files. In reference mode `zerolab.course.nb.launch` starts no ranks: it copies the
+matching reference run into the requested `out` folder and returns it, so every later cell
+(tables, checks, plots) runs unchanged.
+
+    zerolab labs --reference                 # every lab, from the reference run
+    from zerolab import nb; nb.use_reference()   # in one notebook; rerun the failed cell
+
+Reference mode is on when `use_reference()` was called in this process or the environment
+variable ZEROLAB_REFERENCE=1 is set (what `zerolab labs --reference` does for papermill).
+Regenerate (what made the committed files, on the 2-core CPU machine):
+
+    python -m zerolab labs --out /tmp/ref            # or --only lab5,lab6 for some labs
+    python -m zerolab.course.reference /tmp/ref [lab5_same_training lab6_time_by_stage ...]
+
+which replaces the stored runs of the labs found in the folder (or only the named ones).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+FOLDER = Path(__file__).parent / "reference_runs"
+FILES = ("stage[0-3]/rank*.json", "stage[0-3]/trace_rank*.json", "param_diffs.json")
+_ON = False
+
+
+def use_reference(on: bool = True):
+    """Turn reference mode on (or off) for this process's launches."""
+    global _ON
+    _ON = bool(on)
+
+
+def active() -> bool:
+    return _ON or os.environ.get("ZEROLAB_REFERENCE") == "1"
+
+
+def key(out) -> str:
+    """The reference key of an `out` folder: its path from the lab's folder (lab<k>_...) on."""
+    parts = Path(out).parts
+    for i, part in enumerate(parts):
+        if re.match(r"lab\d+_", part):
+            return "/".join(parts[i:])
+    return Path(out).name
+
+
+def restore(out) -> Path:
+    """Copy the reference run for `out` (the files FILES names) into `out` and make OUT/run.json
+    name it (a manifest already there, e.g. of the launch that failed, is kept as
+    run.<its run_id>.json); returns `out`. FileNotFoundError naming the stored runs when there is
+    none for `out`'s key."""
+    src = FOLDER / key(out)
+    if not any(src.glob("stage[0-3]/rank*.json")):
+        known = sorted(str(p.parent.parent.relative_to(FOLDER))
+                       for p in FOLDER.glob("**/stage*/rank0.json"))
+        raise FileNotFoundError(f"no reference run for {key(out)!r} (out={str(out)!r}); "
+                                f"reference runs: {', '.join(sorted(set(known))) or 'none'}")
+    dst = Path(out)
+    for pattern in FILES:
+        for path in src.glob(pattern):
+            target = dst / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+    # the folder's manifest now names the reference run (else load_run would look for the files
+    # of the launch that failed there); the failed run's manifest is kept beside it
+    from ..run.folders import MANIFEST, atomic_json, read_manifest
+    run_id = json.loads(next(src.glob("stage[0-3]/rank0.json")).read_text()).get("run_id")
+    old = read_manifest(dst)
+    if old and old["run_id"] != run_id:
+        os.replace(dst / MANIFEST, dst / f"run.{old['run_id']}.json")
+    atomic_json(dst / MANIFEST, {"run_id": run_id, "command": "reference", "status": "ok",
+                                 "source": f"zerolab/course/reference_runs/{key(out)}",
+                                 "replaces": (old or {}).get("run_id")})
+    return dst
+
+
+def _trace(path: Path) -> dict:
+    """A Chrome trace cut to the ranges `trace.spans` reads (`trace.keep`), without their args:
+    the labs print and plot those; the metadata (zerolab's run / stage / rank / step) is kept."""
+    from ..timing import trace
+    data = json.loads(path.read_text())
+    return {**data, "traceEvents": [{k: v for k, v in e.items() if k != "args"}
+                                    for e in data["traceEvents"] if trace.keep(e)]}
+
+
+def save(labs_out, labs=None) -> int:
+    """Store the rank JSONs (and lab 5's `param_diffs.json`, which the lab wrote with
+    `results.param_diffs`, and the traces, cut) under `labs_out` (a `zerolab labs` folder) as the
+    reference of each lab found there (or of the named `labs` only), replacing that lab's stored
+    run; returns the number of files stored. ValueError for a run whose parameters were saved
+    but not compared (no param_diffs.json)."""
+    labs_out, count = Path(labs_out), 0
+    found = sorted({key(p.parent.parent).split("/")[0]
+                    for p in labs_out.glob("**/stage[0-3]/rank0.json")})
+    chosen = [lab for lab in found if not labs or lab in labs]
+    if labs and set(labs) - set(chosen):
+        raise ValueError(f"no run of {sorted(set(labs) - set(chosen))} in {str(labs_out)!r} "
+                         f"(found {found})")
+    for lab in chosen:
+        if (FOLDER / lab).exists():
+            shutil.rmtree(FOLDER / lab)
+    for run in sorted({p.parent.parent for p in labs_out.glob("**/stage[0-3]/rank0.json")}):
+        name = key(run)
+        if name.split("/")[0] not in chosen:
+            continue
+        if any(run.glob("stage[0-3]/params.pt")) and not (run / "param_diffs.json").exists():
+            raise ValueError(f"{str(run)!r} holds params.pt but no param_diffs.json: lab 5 "
+                             "writes it (results.param_diffs); rerun that lab")
+        for pattern in FILES:
+            for path in run.glob(pattern):
+                data = _trace(path) if path.name.startswith("trace") else json.loads(path.read_text())
+                target = FOLDER / name / path.relative_to(run)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(json.dumps(data, separators=(",", ":")))
+                count += 1
+    return count
+
+
+if __name__ == "__main__":
+    print(f"stored {save(sys.argv[1], sys.argv[2:] or None)} files under {FOLDER}")

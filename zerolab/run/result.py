@@ -1,0 +1,106 @@
+"""What a stage writes and what rank 0 prints: the rank's JSON result, and the bytes table.
+
+Idea: every rank writes OUT/stage{S}/rank{r}.json: the run's settings, the losses and step
+times, the bytes it held after the last step (measured, by state) next to the formula, and the
+bytes it moved (the comm ledger, each record) next to the formula - at Ψ and at the padded Ψ
+the strategies really hold. `compare_rows` / `format_rows` turn such results into the one table
+that `zerolab train` and `zerolab compare` print; `zerolab.course.results.load_run` reads a run
+folder back.
+
+    stage    final loss  model states     formula  ratio  bytes/step     formula  ratio
+    DDP        4.674506     3,528,704   3,528,704  1.000     661,632     661,632  1.000
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .. import theory
+from ..memory import padding_bytes
+from .options import zero3_prefetch_depth
+
+
+def stage_result(st, ledger: list[dict]) -> dict:
+    """The JSON of one stage on one rank (`stage.Stage` after its last phase). Bytes are bytes,
+    times seconds; `ledger` is comm.Comm.to_json() (every collective of the stage)."""
+    args, comm, stage = st.args, st.comm, st.stage
+    n, psi, A = comm.world_size, st.psi, args.grad_accum
+    psi_padded = sum(u.padded_numel for u in st.strategy.units)
+    gd = getattr(args, "grad_dtype", None)
+    measured_state = {s: st.memory["current"].get(s, 0) for s in theory.STATES}
+    return {
+        "run_id": args.run_id, "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": comm.rank,
+        "world_size": n, "params_sha256": st.params_sha256,
+        "backend": dist.get_backend(), "device": str(st.device), "precision": args.precision,
+        "preset": args.preset, "model_config": st.cfg.__dict__, "num_params": psi,
+        "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
+        "grad_accum": A, "grad_dtype": gd or args.precision,
+        "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
+        "bucket_mb": getattr(args, "bucket_mb", None) if stage in (0, 1, 2) else None,
+        "zero3_prefetch": zero3_prefetch_depth(args) if stage == 3 else None,
+        "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
+        "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
+                 if args.link_gbps is not None else None),
+        "seed": args.seed, "start_step": st.start, "resumed_from": st.resumed_from,
+        "checkpoints": st.saved, "losses": st.losses, "val_loss": st.val_loss,
+        "grad_norms": st.norms, "step_times_s": st.times,
+        "units": [{"name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
+                   "shard_numel": u.shard_numel, "padding_in_shard": u.padding_in_shard()}
+                  for u in st.strategy.units],
+        "memory": {"model_states": measured_state, "model_states_total": sum(measured_state.values()),
+                   "padding": padding_bytes(st.strategy.units, stage, args.precision, gd),
+                   **st.memory, "allocator": st.allocator, "checkpoint": st.checkpoint_memory},
+        "theory": {
+            "model_states": theory.model_state_bytes(psi, n, stage, args.precision, grad_dtype=gd),
+            "model_states_padded": theory.model_state_bytes(psi_padded, n, stage, args.precision,
+                                                            grad_dtype=gd),
+            "peak_in_step_padded": theory.peak_step_bytes(psi_padded, n, stage, args.precision, gd),
+            "traffic_per_step": theory.traffic_bytes(psi, n, stage, args.precision,
+                                                     args.zero1_grad_op, A, gd),
+            "traffic_per_step_padded": theory.traffic_bytes(psi_padded, n, stage, args.precision,
+                                                            args.zero1_grad_op, A, gd),
+        },
+        "comm": {"bytes_per_step": comm.bytes_by_op(step=args.steps - 1), "records": ledger,
+                 "time_sources": comm.time_sources()},
+        "before_stage": st.leftover,
+    }
+
+
+def compare_rows(runs: dict[int, list[dict]]) -> list[dict]:
+    """One row per stage, from rank 0 (and the max over ranks for the measured bytes).
+
+    Bytes: model_states (measured after the last step, max over ranks), theory_states (the
+    formula at the padded Ψ), theory_states_unpadded (at Ψ), traffic (ledger bytes of the last
+    step, grads + params), theory_traffic (formula at the padded Ψ)."""
+    rows = []
+    for stage, ranks in sorted(runs.items()):
+        r0 = ranks[0]
+        rows.append({
+            "stage": stage, "name": r0["name"], "world_size": r0["world_size"],
+            "num_params": r0["num_params"], "final_loss": r0["losses"][-1], "losses": r0["losses"],
+            "model_states": max(r["memory"]["model_states_total"] for r in ranks),
+            "theory_states": sum(r0["theory"]["model_states_padded"].values()),
+            "theory_states_unpadded": sum(r0["theory"]["model_states"].values()),
+            "traffic": max(sum(r["comm"]["bytes_per_step"].values()) for r in ranks),
+            "theory_traffic": sum(r0["theory"]["traffic_per_step_padded"].values()),
+            "peak_tracked": max(r["memory"]["peak_total"] for r in ranks),
+            "allocator_peak": max(((r["memory"].get("allocator") or {}).get("peak_absolute") or 0)
+                                  for r in ranks),
+        })
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The comparison as a text table (bytes per rank)."""
+    head = (f"{'stage':<8}{'final loss':>11}{'model states':>14}{'formula':>12}{'ratio':>7}"
+            f"{'bytes/step':>12}{'formula':>12}{'ratio':>7}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['name']:<8}{r['final_loss']:>11.6f}{r['model_states']:>14,.0f}"
+                     f"{r['theory_states']:>12,.0f}{_ratio(r['model_states'], r['theory_states']):>7}"
+                     f"{r['traffic']:>12,.0f}{r['theory_traffic']:>12,.0f}"
+                     f"{_ratio(r['traffic'], r['theory_traffic']):>7}")
+    return "\n".join(lines)
+
+
+def _ratio(a, b):
+    return f"{a / b:.3f}" if b else ("1.000" if a == b else "inf")

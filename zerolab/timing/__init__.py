@@ -1,0 +1,11 @@
+"""The time side: what a step costs in seconds, modelled and measured.
+
+    hardware    links (β bytes/s, α s per ring step) and devices (FLOP/s), with their sources
+    costmodel   α-β ring collectives, compute from 6Ψ FLOPs per token, a step replayed per stage
+    linkemu     an emulated network link for gloo runs: a collective ends no sooner than the model
+    trace       one step of a rank as a Chrome / Perfetto trace; reading it back
+    whatif      one rank of a world of 1024 on torch's fake process group
+
+It imports only the lesson (the top of zerolab/); the training run plugs the link emulator and the
+traces into it (zerolab.run.stage), notebook 12 and lab 6 read it.
+"""

@@ -1,0 +1,409 @@
+"""The time side: α-β cost of each ring collective, compute from FLOPs, step time per ZeRO stage.
+
+Idea: a ring collective on n ranks takes a latency α per ring step plus its per-rank ring bytes
+over the link bandwidth β (nccl-tests, scaling-book):
+
+    all_reduce              2(n-1)·α + 2(n-1)/n · S/β
+    reduce_scatter          (n-1)·α  +  (n-1)/n · S/β        S = the full (unsharded) array
+    all_gather              (n-1)·α  +  (n-1)/n · S/β
+    broadcast (pipelined)   (n-1)·α  +            S/β
+
+Compute is FLOPs over the device's FLOP/s: forward 2Ψ, backward 4Ψ per token (6Ψ in all). A step
+is then replayed as zerolab's strategies issue it (`step_time`): one compute stream, one link that
+serves collectives in the order they were issued (NCCL runs a communicator's collectives in
+order on one stream; `linkemu` does the same). "Without overlap" waits for every collective as
+soon as it is issued; "with overlap" lets a bucket's gradient collective run during the rest of
+backward and, in ZeRO-3 with prefetch, the next block's all_gather during the current block.
+
+ZeRO-3 becomes communication-bound when a block's all_gather takes longer than its forward
+compute: (n-1)/n·2Ψ_b/β  >  2Ψ_b·T/F, i.e. below T* = (n-1)/n · F/β tokens per rank (bf16
+params; the 2 bytes per parameter cancel the 2 FLOPs per parameter), plus (n-1)·α·F/(2Ψ_b) for
+latency (`zero3_comm_bound_tokens`). Backward moves twice the bytes (all_gather + reduce_scatter)
+for twice the FLOPs: the same T*.
+
+    python -m zerolab time --params 7.5e9 --world-size 64 --tokens-per-rank 4096 --link ib-ndr --device h100
+
+Not modelled: the optimizer step (memory-bound, small next to compute at these token counts),
+activation recomputation, stragglers, congestion, and efficiency below peak except through
+`efficiency` (MFU). The links and devices, with their sources: `hardware.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import theory
+from .hardware import Device, Link
+
+OPS = tuple(theory.RING_FACTOR)
+
+
+# --- one collective, one compute -----------------------------------------------------------
+def ring_steps(op: str, n: int) -> int:
+    """Latency-bound steps of the ring: 2(n-1) for all_reduce, n-1 for the others."""
+    if op not in theory.RING_FACTOR:
+        raise ValueError(f"op {op!r} is not one of {', '.join(OPS)}")
+    return (2 if op == "all_reduce" else 1) * (theory.check_world_size(n) - 1)
+
+
+def collective_time(op: str, size_bytes: float, n: int, link: Link) -> float:
+    """Seconds for a ring `op` of the full array S = size_bytes on n ranks: steps·α + ring bytes/β.
+
+    0 for n = 1 (nothing moves). Raises ValueError for an unknown op or a bad n.
+    Source: nccl-tests PERFORMANCE.md (ring bytes), scaling-book (α-β model).
+    """
+    steps = ring_steps(op, n)
+    if n == 1:
+        return 0.0
+    return steps * link.latency + theory.RING_FACTOR[op](n) * size_bytes / link.bandwidth
+
+
+def compute_time(psi: float, tokens: float, device: Device, *, passes: str = "fwd+bwd",
+                 efficiency: float = 1.0) -> float:
+    """Seconds of compute for `tokens` tokens through Ψ parameters: FLOPs / (F · efficiency).
+
+    passes: "fwd" (2Ψ FLOPs per token), "bwd" (4Ψ) or "fwd+bwd" (6Ψ). Attention's own FLOPs
+    (which grow with the context) are left out, as in the 6Ψ rule (Kaplan et al. 2020).
+    """
+    per_token = {"fwd": 2, "bwd": 4, "fwd+bwd": 6}
+    if passes not in per_token:
+        raise ValueError(f"passes {passes!r} is not one of {', '.join(per_token)}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency {efficiency!r} must be in (0, 1]")
+    return per_token[passes] * psi * tokens / (device.flops * efficiency)
+
+
+# --- a step, replayed ----------------------------------------------------------------------
+@dataclass
+class Unit:
+    """One bucket / block as the strategies see it: numel (Ψ_u elements) and compute seconds.
+
+    The root unit (name "root": embeddings, tied head, final norm) spans the whole pass: its
+    compute (head + loss) runs after the blocks in forward and before them in backward, and its
+    gradients are ready last."""
+    name: str
+    numel: float
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+
+
+MAX_BLOCKS = 10_000      # a transformer has tens to hundreds; the replay costs time per block
+
+
+def uniform_units(psi: float, n_blocks: int, tokens: float, device: Device,
+                  efficiency: float = 1.0) -> list[Unit]:
+    """Ψ split into `n_blocks` equal blocks, each with its 2Ψ_b·T / 4Ψ_b·T FLOPs (no root).
+    ValueError unless 1 <= n_blocks <= min(Ψ, MAX_BLOCKS)."""
+    if not 1 <= n_blocks <= min(psi, MAX_BLOCKS):
+        raise ValueError(f"blocks {n_blocks!r} must be between 1 and {min(int(psi), MAX_BLOCKS):,} "
+                         "(at most one per parameter, and the replay is per block)")
+    b = psi / n_blocks
+    return [Unit(f"block.{i}", b, compute_time(b, tokens, device, passes="fwd", efficiency=efficiency),
+                 compute_time(b, tokens, device, passes="bwd", efficiency=efficiency))
+            for i in range(n_blocks)]
+
+
+@dataclass
+class Collective:
+    """One collective in a replayed step: issue, start and end times on the link, in seconds."""
+    op: str
+    unit: str
+    phase: str
+    size_bytes: float
+    issued: float
+    start: float
+    end: float
+
+
+@dataclass
+class StepTime:
+    """The replay of one step: total seconds, compute seconds and every collective."""
+    stage: int
+    overlap: bool
+    total: float = 0.0
+    compute: float = 0.0
+    collectives: list = field(default_factory=list)
+    compute_spans: list = field(default_factory=list)     # (start, end) of each compute, seconds
+
+    @property
+    def comm(self) -> float:
+        """Seconds the link was busy (sum of collective times)."""
+        return sum(c.end - c.start for c in self.collectives)
+
+    @property
+    def exposed_comm(self) -> float:
+        """Seconds of the step not spent computing: communication the compute did not hide."""
+        return self.total - self.compute
+
+    def by_op(self) -> dict[str, float]:
+        out = {op: 0.0 for op in OPS}
+        for c in self.collectives:
+            out[c.op] += c.end - c.start
+        return out
+
+
+class _Replay:
+    """One compute stream and one in-order link; `blocking` waits for each collective at once."""
+
+    def __init__(self, stage, n, link, overlap):
+        self.n, self.link, self.blocking = n, link, not overlap
+        self.t = self.link_free = 0.0
+        self.out = StepTime(stage, overlap)
+        self.phase = "forward"
+
+    def compute(self, seconds):
+        if seconds > 0:
+            self.out.compute_spans.append((self.t, self.t + seconds))
+        self.t += seconds
+        self.out.compute += seconds
+
+    def issue(self, op, size_bytes, unit) -> float:
+        start = max(self.t, self.link_free)
+        end = start + collective_time(op, size_bytes, self.n, self.link)
+        self.link_free = end
+        self.out.collectives.append(Collective(op, unit, self.phase, size_bytes, self.t, start, end))
+        if self.blocking:
+            self.t = end
+        return end
+
+    def wait(self, end):
+        self.t = max(self.t, end)
+
+
+def merge_units(units: list[Unit], bucket_numel: float) -> list[Unit]:
+    """Merge consecutive blocks into gradient buckets of at most `bucket_numel` elements (a
+    block larger than the cap stays alone; the root is never merged), grouped by
+    `theory.bucket_groups` as the strategies' `--bucket-mb` groups them. Names become
+    "block.0-2"; compute times add up. A bucket's collective is issued when its last block's
+    backward ends, so fewer, larger collectives pay fewer α's but start later."""
+    if not bucket_numel > 0:
+        raise ValueError(f"bucket_numel {bucket_numel!r} must be > 0")
+    out: list[Unit] = []
+    run: list[Unit] = []
+
+    def close():
+        for idx in theory.bucket_groups([u.numel for u in run], bucket_numel):
+            group = [run[i] for i in idx]
+            out.append(Unit(theory.bucket_name([u.name for u in group]),
+                            sum(u.numel for u in group), sum(u.fwd_s for u in group),
+                            sum(u.bwd_s for u in group)))
+        run.clear()
+    for u in units:
+        if u.name == "root":
+            close()
+            out.append(u)
+        else:
+            run.append(u)
+    close()
+    return out
+
+
+def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, overlap: bool = True,
+              prefetch: bool | int = False, precision: str = "bf16", zero1_grad_op: str = "all_reduce",
+              clip: bool = True, keep_root: bool = False) -> StepTime:
+    """Replay one optimizer step (one micro-step) of zerolab's `stage` and return its timing.
+
+    units: forward order; a unit named "root" is treated as `Unit` says. The collectives are
+    issued in the order and with the waits of ddp.py / zero1.py / zero2.py / zero3.py: gradient
+    buckets as each unit's backward ends (ZeRO-2/3 keep at most two in flight), ZeRO-1/2's
+    all_gather after the step, ZeRO-3's all_gather before each block (the next one issued early
+    with `prefetch`) and the scalar all_reduce of the gradient norm (stages 1-3, `clip`).
+    overlap=False waits for every collective as soon as it is issued (compute + communication).
+    prefetch (ZeRO-3): False / 0 none, True / 1 the next block, k the next k blocks, -1 all
+    remaining blocks at once (FSDP's unlimited in-flight gathers). keep_root (ZeRO-3): the root
+    stays gathered from forward into backward (FSDP2's default for the root), saving its second
+    all_gather. Sizes: bf16 grads and params (4 bytes each in "fp32"). Returns a StepTime (s).
+    """
+    depth = int(prefetch) if not isinstance(prefetch, bool) else int(prefetch)
+    if depth < -1:
+        raise ValueError(f"prefetch {prefetch!r} must be a bool, a depth >= 0, or -1 (unlimited)")
+    theory.check_stage(stage)
+    n = theory.check_world_size(world_size)
+    width = theory.bytes_per_param(precision)
+    gw, pw = width["grads"], width["params"]
+    root = [u for u in units if u.name == "root"]
+    blocks = [u for u in units if u.name != "root"]
+    sim = _Replay(stage, n, link, overlap)
+    grad_op = {0: "all_reduce", 1: zero1_grad_op, 2: "reduce_scatter", 3: "reduce_scatter"}[stage]
+    limit = 2 if stage >= 2 else None          # buckets in flight (ZeRO-2/3 wait beyond two)
+    inflight: list[float] = []
+
+    def grads_ready(u):
+        if limit is not None:
+            while len(inflight) >= limit:
+                sim.wait(inflight.pop(0))
+        inflight.append(sim.issue(grad_op, u.numel * gw, u.name))
+
+    def gather(u, pending):
+        if u.name in pending:
+            sim.wait(pending.pop(u.name))
+        else:
+            sim.wait(sim.issue("all_gather", u.numel * pw, u.name))
+
+    def prefetch_after(order, k, pending):
+        ahead = order[k + 1:] if depth == -1 else order[k + 1:k + 1 + depth]
+        for nxt in ahead:
+            if nxt.name not in pending:
+                pending[nxt.name] = sim.issue("all_gather", nxt.numel * pw, nxt.name)
+
+    # --- forward ---
+    pending: dict[str, float] = {}
+    if stage == 3:
+        for u in root:
+            gather(u, pending)
+    for i, u in enumerate(blocks):
+        if stage == 3:
+            gather(u, pending)
+            prefetch_after(blocks, i, pending)
+        sim.compute(u.fwd_s)
+    for u in root:
+        sim.compute(u.fwd_s)
+    # --- backward ---
+    sim.phase = "backward"
+    pending = {}
+    if stage == 3 and not keep_root:
+        for u in root:
+            gather(u, pending)
+    for u in root:
+        sim.compute(u.bwd_s)
+    backward_order = blocks[::-1]
+    for k, u in enumerate(backward_order):
+        if stage == 3:
+            gather(u, pending)
+            prefetch_after(backward_order, k, pending)
+        sim.compute(u.bwd_s)
+        grads_ready(u)
+    for u in root:
+        grads_ready(u)
+    for end in inflight:
+        sim.wait(end)
+    # --- step ---
+    sim.phase = "step"
+    if stage >= 1 and clip:
+        sim.wait(sim.issue("all_reduce", 4, "grad_norm"))
+    if stage in (1, 2):
+        ends = [sim.issue("all_gather", u.numel * pw, u.name) for u in root + blocks]
+        for end in ends:
+            sim.wait(end)
+    sim.out.total = sim.t
+    return sim.out
+
+
+def zero3_comm_bound_tokens(block_params: float, world_size: int, link: Link, device: Device,
+                            precision: str = "bf16", efficiency: float = 1.0) -> float:
+    """Tokens per rank T* below which a ZeRO-3 block's all_gather outlasts its forward compute.
+
+    all_gather(Ψ_b) = (n-1)α + (n-1)/n · w·Ψ_b/β  (w = 2 bytes in bf16) equals 2Ψ_b·T/(F·e) at
+    T* = F·e/(2Ψ_b) · [(n-1)α + (n-1)/n · w·Ψ_b/β]  =  (n-1)/n · F·e/β  (bf16, α = 0)  + latency.
+    Returns T* in tokens (0 for n = 1). Source: the module docstring; scaling-book's
+    "when is FSDP communication-bound" uses the same ratio of FLOP/s to bandwidth.
+    """
+    w = theory.bytes_per_param(precision)["params"]
+    t_gather = collective_time("all_gather", w * block_params, world_size, link)
+    return t_gather * device.flops * efficiency / (2 * block_params)
+
+
+# --- the `zerolab time` table ------------------------------------------------------------------
+def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link: Link,
+                      device: Device, n_blocks: int = 32, precision: str = "bf16",
+                      efficiency: float = 1.0) -> str:
+    """The per-stage step time table that `zerolab time` prints (seconds shown as ms)."""
+    units = uniform_units(psi, n_blocks, tokens_per_rank, device, efficiency)
+    lines = [f"Ψ = {psi:.4g} parameters in {n_blocks} equal blocks, N = {world_size} ranks, "
+             f"{tokens_per_rank:g} tokens per rank per step, {precision}",
+             f"link {link.name}: β = {link.bandwidth / 1e9:.4g} GB/s per rank per direction "
+             f"({link.gbps:.4g} Gb/s), α = {link.latency * 1e6:.3g} us per ring step",
+             f"  source: {link.source}",
+             f"device {device.name}: {device.flops / 1e12:.4g} TFLOP/s x efficiency {efficiency:g}",
+             f"  source: {device.source}", "",
+             f"{'stage':<20}{'compute':>10}{'comm':>10}{'no overlap':>12}{'overlap':>10}"
+             f"{'exposed':>10}   comm by op (ms)"]
+    variants = [(s, False) for s in (0, 1, 2)] + [(3, False), (3, True)]
+    for stage, prefetch in variants:
+        ops = ("all_reduce", "reduce_scatter") if stage == 1 else (None,)
+        for op in ops:
+            kw = dict(prefetch=prefetch, precision=precision, zero1_grad_op=op or "all_reduce")
+            serial = step_time(stage, units, world_size, link, overlap=False, **kw)
+            over = step_time(stage, units, world_size, link, overlap=True, **kw)
+            name = theory.STAGE_NAMES[stage] + (f" ({op[:6]}.)" if op else "") + (
+                " +prefetch" if prefetch else "")
+            parts = ", ".join(f"{k} {v * 1e3:.4g}" for k, v in over.by_op().items() if v)
+            lines.append(f"{name:<20}{over.compute * 1e3:>10.4g}{over.comm * 1e3:>10.4g}"
+                         f"{serial.total * 1e3:>12.4g}{over.total * 1e3:>10.4g}"
+                         f"{over.exposed_comm * 1e3:>10.4g}   {parts}")
+    t_star = zero3_comm_bound_tokens(psi / n_blocks, world_size, link, device, precision, efficiency)
+    bound = "communication-bound" if tokens_per_rank < t_star else "compute-bound"
+    w = theory.bytes_per_param(precision)["params"]
+    bw_term = (world_size - 1) / world_size * w / 2 * device.flops * efficiency / link.bandwidth
+    lines += ["", "times in ms per optimizer step; 'exposed' = overlap - compute (comm not hidden)",
+              f"ZeRO-3 threshold: a block's all_gather equals its forward compute at T* = "
+              f"{t_star:,.0f} tokens per rank",
+              f"  T* = (n-1)/n · (w/2) · F/β + latency term = {bw_term:,.0f} + {t_star - bw_term:,.0f}"
+              f" (w = {w} bytes per param);"
+              f" at {tokens_per_rank:g} tokens per rank ZeRO-3 is {bound}"]
+    return "\n".join(lines)
+
+
+# --- compute measured on this machine, to feed the replay ----------------------------------------
+def measure_units(model, x, y, world_size: int = 1, repeats: int = 3) -> list[Unit]:
+    """Time each unit's forward and backward on this process (one thread, as torchrun's ranks
+    run) and return `Unit`s named and sized as zerolab's strategies build them (padded numel).
+
+    model: a GPT-like module with `zero_units()`; x, y: one rank's micro-batch [B, T]. The root
+    unit gets what the blocks leave over (embeddings, final norm, head, loss). Seconds are the
+    median of `repeats` forward + backward passes after one warm-up. Measured, so as noisy as the
+    machine: on a shared machine repeat and look at the spread.
+    """
+    import statistics
+    import time
+
+    import torch
+
+    from ..sharding import build_units
+    units = build_units(model, world_size, 0)
+    blocks = {name: module for name, module in model.zero_units()}
+    samples = {u.name: ([], []) for u in units}
+    clock, handles, threads = {}, [], torch.get_num_threads()
+
+    def start(key):
+        clock[key] = time.perf_counter()
+
+    def stop(key, into):
+        into.append(time.perf_counter() - clock[key])
+
+    for name, module in blocks.items():
+        fwd, bwd = samples[name]
+        handles += [module.register_forward_pre_hook(lambda *_, n=name: start(("f", n))),
+                    module.register_forward_hook(lambda *_, n=name, s=fwd: stop(("f", n), s)),
+                    module.register_full_backward_pre_hook(lambda *_, n=name: start(("b", n))),
+                    module.register_full_backward_hook(lambda *_, n=name, s=bwd: stop(("b", n), s))]
+    totals = ([], [])
+    torch.set_num_threads(1)
+    try:
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            loss = model(x, y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            if i == 0:                                  # warm-up
+                for f, b in samples.values():
+                    f.clear()
+                    b.clear()
+                continue
+            totals[0].append(t1 - t0)
+            totals[1].append(t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
+        for h in handles:
+            h.remove()
+    med = statistics.median
+    out = []
+    for u in units:
+        if u.name in blocks:
+            out.append(Unit(u.name, u.padded_numel, med(samples[u.name][0]), med(samples[u.name][1])))
+    rest = [[max(0.0, totals[k][i] - sum(samples[b][k][i] for b in blocks))     # per pass
+             for i in range(repeats)] for k in (0, 1)]
+    root = [Unit(u.name, u.padded_numel, med(rest[0]), med(rest[1]))
+            for u in units if u.name not in blocks]
+    return root + out

@@ -1,0 +1,108 @@
+"""Links and devices for the cost model: bandwidth and latency of a link, peak FLOP/s of a device.
+
+Idea: the cost model's inputs are two numbers per machine, β (bytes/s per rank per direction)
+and α (seconds per ring step) for the link, F (FLOP/s) for the device. Each named profile below
+carries the datasheet arithmetic it comes from (`source`); `get_link` / `get_device` build a
+custom one from Gb/s, microseconds or TFLOP/s, and name it custom.
+
+    get_link("ib-ndr").bandwidth          # 50e9 bytes/s: 400 Gb/s per port, one port per GPU
+    get_link("ib-ndr", gbps=200).name     # 'ib-ndr with a custom bandwidth'
+    get_device("h100").flops              # 989e12 FLOP/s, bf16 dense
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link: bandwidth β in bytes/s per rank per direction, latency α in seconds per ring step."""
+    name: str
+    bandwidth: float
+    latency: float
+    source: str = "custom"
+
+    @property
+    def gbps(self) -> float:
+        """β in gigabits per second (1e9 bit/s), the unit networks are sold in."""
+        return self.bandwidth * 8 / 1e9
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device's peak dense FLOP/s (bf16 on GPUs) and where the number comes from."""
+    name: str
+    flops: float
+    source: str = "custom"
+
+
+_ALPHA = ("α is a typical order of magnitude per ring step (nccl-tests small-message latencies), "
+          "not a datasheet figure")
+LINKS = {
+    "nvlink3": Link("nvlink3", 300e9, 2e-6, "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional "
+                    "per GPU -> 300 GB/s each way; " + _ALPHA),
+    "nvlink4": Link("nvlink4", 450e9, 2e-6, "NVIDIA H100/H200 SXM datasheets: NVLink 900 GB/s "
+                    "bidirectional per GPU -> 450 GB/s each way; " + _ALPHA),
+    "nvlink5": Link("nvlink5", 900e9, 2e-6, "NVIDIA Blackwell datasheet: NVLink 1.8 TB/s "
+                    "bidirectional per GPU -> 900 GB/s each way; " + _ALPHA),
+    "pcie4": Link("pcie4", 31.5e9, 3e-6, "PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 / 8 = "
+                  "31.5 GB/s each way; " + _ALPHA),
+    "pcie5": Link("pcie5", 63e9, 3e-6, "PCIe 5.0 x16: 32 GT/s x 16 lanes x 128/130 / 8 = "
+                  "63 GB/s each way; " + _ALPHA),
+    "ib-ndr": Link("ib-ndr", 50e9, 5e-6, "InfiniBand NDR (ConnectX-7): 400 Gb/s per port, one "
+                   "port per GPU -> 50 GB/s each way; " + _ALPHA),
+    "ib-hdr": Link("ib-hdr", 25e9, 5e-6, "InfiniBand HDR (ConnectX-6): 200 Gb/s per port, one "
+                   "port per GPU -> 25 GB/s each way; " + _ALPHA),
+    "100gbe": Link("100gbe", 12.5e9, 20e-6, "100 Gigabit Ethernet: 12.5 GB/s each way; " + _ALPHA),
+    "25gbe": Link("25gbe", 3.125e9, 30e-6, "25 Gigabit Ethernet: 3.125 GB/s each way; " + _ALPHA),
+}
+
+DEVICES = {
+    "h100": Device("h100", 989e12, "NVIDIA H100 SXM5 datasheet: bf16 dense 989 TFLOP/s "
+                   "(1979 with sparsity)"),
+    "h200": Device("h200", 989e12, "NVIDIA H200 SXM datasheet: bf16 dense 989 TFLOP/s "
+                   "(1979 with sparsity), the same chip as H100 with more HBM"),
+    "a100": Device("a100", 312e12, "NVIDIA A100 SXM datasheet: bf16 dense 312 TFLOP/s "
+                   "(624 with sparsity)"),
+}
+
+
+def get_link(name: str | None = None, gbps: float | None = None,
+             latency_us: float | None = None) -> Link:
+    """A named link (`LINKS`), optionally with its bandwidth or latency replaced; or a custom one.
+
+    gbps: gigabits per second (1e9 bit/s) per rank per direction; latency_us: α in microseconds.
+    Raises ValueError for an unknown name, a bandwidth <= 0, a latency < 0, or neither name nor gbps.
+    """
+    if name is not None and name not in LINKS:
+        raise ValueError(f"link {name!r} is not one of {', '.join(LINKS)} "
+                         "(or a bandwidth in Gb/s for a custom one)")
+    if gbps is not None and not gbps > 0:
+        raise ValueError(f"link bandwidth {gbps!r} Gb/s must be > 0")
+    if latency_us is not None and not latency_us >= 0:
+        raise ValueError(f"link latency {latency_us!r} us must be >= 0")
+    if name is None and gbps is None:
+        raise ValueError("give a link name or a bandwidth in Gb/s")
+    base = LINKS[name] if name is not None else Link("custom", 0.0, 0.0)
+    if gbps is None and latency_us is None:
+        return base
+    given = " and ".join(w for w, v in (("bandwidth", gbps), ("latency", latency_us)) if v is not None)
+    if gbps is not None and latency_us is not None:
+        name = None                         # nothing of the named link is left
+    return Link(f"{name} with a custom {given}" if name is not None else "custom",
+                gbps * 1e9 / 8 if gbps is not None else base.bandwidth,
+                latency_us * 1e-6 if latency_us is not None else base.latency,
+                f"custom {given}; the rest from {name}: {base.source}" if name is not None
+                else "custom")
+
+
+def get_device(name: str | None = None, tflops: float | None = None) -> Device:
+    """A named device (`DEVICES`) or a custom one of `tflops` (1e12 FLOP/s); ValueError otherwise."""
+    if tflops is not None:
+        if not tflops > 0:
+            raise ValueError(f"device TFLOP/s {tflops!r} must be > 0")
+        return Device(f"custom ({tflops:g} TFLOP/s peak)", tflops * 1e12)
+    if name not in DEVICES:
+        raise ValueError(f"device {name!r} is not one of {', '.join(DEVICES)} "
+                         "(or a peak in TFLOP/s for a custom one)")
+    return DEVICES[name]
