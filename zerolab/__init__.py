@@ -11,7 +11,7 @@ the few modules they stand on, read in this order, each importing only those abo
     memory      measured bytes by category, peaks, allocator cross-check
     ddp, zero1, zero2, zero3   the strategies: __init__ / forward / backward / step
 
-Everything else lives in three wings below it, which the lesson never imports, and one door:
+Everything else lives in three wings, sub-folders the lesson never imports, and one door:
 
     timing/     the time side: cost model, link and device profiles, link emulator, traces,
                 one rank of a large world (whatif)
@@ -23,8 +23,9 @@ Everything else lives in three wings below it, which the lesson never imports, a
                 bench, exercises
     cli/        the `zerolab` command (`python -m zerolab`)
 
-Each wing imports only the lesson and the wings listed above it (timing < run < course < cli);
-`import-linter` checks this on every test run (the contracts in pyproject.toml).
+Each wing imports only the lesson and the wings listed before it (timing, then run, then course;
+the cli imports them all); `import-linter` checks this on every test run (the contracts in
+pyproject.toml).
 `from zerolab import nb` is the notebooks' door to `zerolab.course.nb`, resolved on first use.
 """
 from .ddp import DDP

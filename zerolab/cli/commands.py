@@ -5,7 +5,7 @@ check | doctor.
     zerolab train --stage 2 --nproc 4                  # one stage under torchrun
     zerolab compare                                    # stages 0-3 on this machine: the main job
     zerolab labs                                       # execute every lab notebook, write a report
-    zerolab check ddp --impl my_ddp.py                 # grade an exercise (zerolab.course.exercises)
+    zerolab check ddp --impl my_ddp.py                 # grade an exercise (course/exercises/)
     zerolab doctor                                     # is this machine ready for the course?
     zerolab checkpoint consolidate DIR OUT             # sharded checkpoint -> plain GPT state dict
 
@@ -51,9 +51,9 @@ FORMULA = {
     "tokens": (("--tokens-per-rank",), dict(type=positive_number, default=4096,
                                             help="tokens per rank per step")),
     "link": (("--link",), dict(default="ib-ndr", help="a named link profile "
-                                                      "(timing.hardware.LINKS; a wrong name lists them)")),
+                                                      "(timing/hardware.py; a wrong name lists them)")),
     "device": (("--device",), dict(default="h100", help="a named device profile "
-                                                        "(timing.hardware.DEVICES)")),
+                                                        "(timing/hardware.py)")),
 }
 
 
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     labs.add_argument("--reference", action="store_true",
                       help="plot the committed CPU reference run instead of launching ranks")
 
-    chk = command("check", "grade your code for an exercise on gloo ranks (zerolab.course.exercises)")
+    chk = command("check", "grade your code for an exercise on gloo ranks (course/exercises/)")
     chk.add_argument("exercise", nargs="?", default=None,
                      help="shard_range, ddp, zero1, zero2 or zero3")
     chk.add_argument("--impl", default=None, help="your .py file (or a dotted module)")

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 FOLDER = Path(__file__).parent / "reference_runs"
@@ -130,4 +129,12 @@ def save(labs_out, labs=None) -> int:
 
 
 if __name__ == "__main__":
-    print(f"stored {save(sys.argv[1], sys.argv[2:] or None)} files under {FOLDER}")
+    import argparse
+    cli = argparse.ArgumentParser(prog="python -m zerolab.course.reference",
+                                  description="store a `zerolab labs` folder's runs as the reference")
+    cli.add_argument("labs_out", help="a `zerolab labs --out` folder")
+    cli.add_argument("labs", nargs="*", help="only these labs (e.g. lab5_same_training)")
+    ns = cli.parse_args()
+    if not Path(ns.labs_out).is_dir():
+        cli.error(f"{ns.labs_out!r} is not a folder")
+    print(f"stored {save(ns.labs_out, ns.labs or None)} files under {FOLDER}")

@@ -15,7 +15,7 @@ each unit's padded flat buffer from the parameters' logical values (one unit at 
 ZeRO-3 gather) and takes its own range. So a run saved at N = 4 stage 2 resumes at N = 2 stage 3.
 
     zerolab train --stage 2 --nproc 4 --preset nano --steps 8 --save-every 4 --out runs/a
-    zerolab train --stage 3 --nproc 2 --steps 8 --resume runs/a/stage2/checkpoints --out runs/b
+    zerolab train --stage 3 --nproc 2 --steps 12 --resume runs/a/stage2/checkpoints --out runs/b
     zerolab checkpoint consolidate runs/a/stage2/checkpoints runs/a/model.pt
 
 Layout. A save is atomic: the rank files go to a hidden `.tmp_step_*` folder; only after every

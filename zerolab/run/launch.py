@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -376,10 +377,12 @@ def loopback_torchrun(argv=None) -> None:
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
               "Connection refused")
 _NOISE = ("*****", "Setting OMP_NUM_THREADS", "further tune the variable")
+# torchrun's log header on a line of its own (its warning's text follows on the next lines)
+_BARE_LOG_HEADER = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\]\s*$")
 
 
 def _noise(line: str) -> bool:
-    return any(s in line for s in _NOISE)
+    return any(s in line for s in _NOISE) or bool(_BARE_LOG_HEADER.match(line))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ With `--trace` each block's compute is named too ("forward block.3", "backward b
 ledger records were issued while it recorded), so that `spans(path)` reads a trace back as one
 list of compute ranges and labelled collectives and `check_labels` holds it against the ledger:
 
-    from zerolab import trace
+    from zerolab.timing import trace
     for s in trace.spans("runs/x/stage2/trace_rank0.json"): print(s.kind, s.name, s.dur_s)
 
 The ranges cost nothing when no profiler is running (the check is one attribute read).
