@@ -102,14 +102,15 @@ def label(record) -> str:
     return f"{record.op} {record.what} {record.unit or '-'} [{record.phase}]".replace("  ", " ")
 
 
-def _profiling() -> bool:
+def profiling() -> bool:
+    """True while a torch profiler records (one attribute read)."""
     return bool(_autograd_profiler._is_profiler_enabled)
 
 
 @contextlib.contextmanager
 def _issuing(record):
     """A range "issue LABEL" around the call that starts a collective (when profiling)."""
-    if not _profiling():
+    if not profiling():
         yield
         return
     with record_function(f"issue {label(record)}"):
@@ -135,7 +136,7 @@ class LabelledWork:
 
 def _waiting(work, record):
     """`work` itself, or a LabelledWork when a profiler is recording."""
-    return LabelledWork(work, f"wait {label(record)}") if _profiling() and work is not None else work
+    return LabelledWork(work, f"wait {label(record)}") if profiling() and work is not None else work
 
 
 @dataclass

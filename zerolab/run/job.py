@@ -86,7 +86,8 @@ def start_ranks(args, run_id: str | None, backend: str, device: str, *, echo=_sa
         note = auto_note(args.nproc, args.backend, args.device, backend, device)
         if note:
             echo(f"zerolab: {note}")
-    args.backend, args.device = backend, device
-    argv = (options.rank_argv(args) if argv is None else argv) + (["--run-id", run_id] if run_id else [])
+    if argv is None:
+        argv = options.rank_argv(args, backend=backend, device=device)
+    argv = argv + (["--run-id", run_id] if run_id else [])
     return run_torchrun(argv, args.nproc, timeout=args.timeout, nnodes=args.nnodes,
                         node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, echo=echo)

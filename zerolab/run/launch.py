@@ -25,8 +25,6 @@ import tempfile
 import threading
 import time
 
-from .rank import linux_prctl
-
 
 class LaunchError(RuntimeError):
     """A launch that failed: non-zero exit, timeout or interrupt. `.output` holds the last lines."""
@@ -222,6 +220,17 @@ class _Terminated(Exception):
 
 def _raise_terminated(signum, _frame):
     raise _Terminated(signal.Signals(signum).name)
+
+
+def linux_prctl():
+    """libc's prctl on Linux (a ctypes function), else None."""
+    if sys.platform != "linux":
+        return None
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 def _pdeathsig():

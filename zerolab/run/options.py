@@ -247,11 +247,13 @@ def to_argv(names, values: dict) -> list[str]:
     return argv
 
 
-def rank_argv(args) -> list[str]:
+def rank_argv(args, **resolved) -> list[str]:
     """What a launcher passes to the ranks: every option of `args` that goes to them (not the
-    launcher's own, e.g. --nproc), as `python -m zerolab.run.train` takes it."""
-    return argv_for("ranks", **{name: getattr(args, name) for name in PROGRAMS["ranks"]
-                               if OPTIONS[name].to_ranks and hasattr(args, name)})
+    launcher's own, e.g. --nproc), as `python -m zerolab.run.train` takes it; `resolved`
+    replaces values the launcher decided (backend="gloo", device="cpu" for "auto")."""
+    values = {name: getattr(args, name) for name in PROGRAMS["ranks"]
+              if OPTIONS[name].to_ranks and hasattr(args, name)}
+    return argv_for("ranks", **{**values, **resolved})
 
 
 # --- checks -----------------------------------------------------------------------------------

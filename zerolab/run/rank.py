@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
+from .launch import linux_prctl
 
 
 def rank_entry(main) -> None:
@@ -42,17 +43,6 @@ def rank_entry(main) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
-
-
-def linux_prctl():
-    """libc's prctl on Linux (a ctypes function), else None."""
-    if sys.platform != "linux":
-        return None
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
 
 
 def die_with_parent(sig=signal.SIGTERM) -> None:

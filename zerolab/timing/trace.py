@@ -30,14 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.autograd.profiler as _autograd_profiler
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..comm import LabelledWork, label  # noqa: F401 - the labels Comm puts on each collective
-
-
-def _enabled() -> bool:
-    return bool(_autograd_profiler._is_profiler_enabled)
+from ..comm import profiling as _enabled
 
 
 def phase(name: str):
