@@ -105,7 +105,7 @@ def test_readme_tree_matches_the_disk():
 
 def test_the_top_of_the_package_is_the_lesson():
     """Only the lesson's modules (and the package's two doors) lie at the top of zerolab/."""
-    lesson = {"theory", "model", "data", "comm", "sharding", "optim", "memory",
+    lesson = {"theory", "model", "data", "guards", "hooks", "comm", "sharding", "optim", "memory",
               "ddp", "zero1", "zero2", "zero3"}
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__"}
     assert top == lesson

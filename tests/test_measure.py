@@ -101,7 +101,9 @@ def measure_worker(rank, n, model_name, precision, grad_accum, grad_dtype=None):
                     rows = slice((rank * grad_accum + micro) * 2,
                                  (rank * grad_accum + micro + 1) * 2)
                     loss = s.forward(x[rows], y[rows])
-                    s.backward(loss / grad_accum, sync=micro == grad_accum - 1)
+                    # the course's loop: ZeRO-2/3 reduce-scatter every micro-step (the notes'
+                    # memory; sync=False would hold the full gradient, test_loops.py)
+                    s.backward(loss / grad_accum, sync=micro == grad_accum - 1 or stage >= 2)
                 allocator = _allocator_step(s) if step == STEPS - 1 else s.step()
         last = STEPS - 1
         out[(stage, grad_op)] = {

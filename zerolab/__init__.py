@@ -5,6 +5,9 @@ the few modules they stand on, read in this order, each importing only those abo
 
     theory      formulas: bytes per rank per stage, traffic per step, busbw factors
     model, data the GPT and the text
+    guards      what the training loop may do to weights and gradients: rank 0's init, the
+                loop's zero_grad and edits taken in, placeholders that refuse sharded values
+    hooks       when gradients are ready and when a block's backward begins and ends
     comm        every collective, recorded in a per-rank ledger (and labelled in a profile)
     sharding    flat buffers, padding, owned ranges, buckets / blocks, gradient hooks
     optim       torch's AdamW on flat shards (decay groups, parameters without a gradient)

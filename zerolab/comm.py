@@ -222,10 +222,12 @@ class Comm:
 
     # --- the collectives ------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, *, what: str, unit: str = "",
-                   async_op: bool = False) -> Handle:
-        """Sum `tensor` [S] over the group in place; every rank ends with the same sum."""
+                   async_op: bool = False, op: str = "sum") -> Handle:
+        """Sum `tensor` [S] over the group in place (op="max": the largest); every rank ends
+        with the same result."""
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         return self._issue("all_reduce", tensor, what, unit, async_op,
-                           lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
+                           lambda: dist.all_reduce(tensor, op=red, group=self.group, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, what: str,
                        unit: str = "", async_op: bool = False) -> Handle:

@@ -17,6 +17,8 @@ import contextlib
 
 import torch
 
+from .guards import (adopt_edits, check_edits, check_step, claim_grads, fingerprint,
+                     sync_module_states)
 from .optim import make_flat_optimizer
 from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
                        check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
@@ -47,6 +49,7 @@ class DDP:
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused = find_unused_parameters
+        sync_module_states(model, comm)                 # rank 0's weights, as torch DDP does
         self.units = build_units(model, comm.world_size, comm.rank,
                                  bucket_numel(bucket_mb, model, grad_dtype))
         for u in self.units:
@@ -59,7 +62,7 @@ class DDP:
             # --- optimizer state: full fp32 master (+ exp_avg, exp_avg_sq after step 1) -----
             u.master = u.param_flat.float().clone()             # [Ψ_u] fp32, replicated
         self.optimizer = make_flat_optimizer(self.units, sharded=False, **adamw)
-        self.inflight, self.sync = [], True
+        self.inflight, self.sync, self.fresh = [], True, False
         self.ready = GradReady(self.units, self._grads_ready)
         self.handles = []
 
@@ -71,8 +74,10 @@ class DDP:
     # --- backward: all_reduce each bucket as soon as its grads are ready ---------------------
     def backward(self, loss, *, sync=True):
         """sync=False on micro-steps before the last (grads accumulate locally, no traffic)."""
-        self.sync = sync
+        self.sync, self.fresh = sync, True
         check_trainable(self.model, self.units)
+        for u in self.units:                # p.grad: the bucket again (the loop's zero_grad kept)
+            claim_grads(u, u.grad_flat)
         self.ready.start()
         with self.comm.phase("backward"):
             loss.backward()
@@ -91,7 +96,10 @@ class DDP:
 
     # --- step: every rank runs the same AdamW on the full state ------------------------------
     def step(self) -> torch.Tensor:
+        check_step(self.sync, self.fresh)   # a backward ran since, and reduced the grads
+        self.fresh = False
         with self.comm.phase("step"):
+            self._adopt_edits()             # weights the loop changed since the last step
             used = global_used(self.units, self.comm) if self.find_unused else None
             fp32_grads(self.units, [u.grad_flat for u in self.units])   # [Ψ_u] fp32 each
             self._sample("fp32 grads")
@@ -103,6 +111,8 @@ class DDP:
                 u.master.grad = None
                 u.grad_flat.zero_()
                 u.used = [False] * len(u.params)
+                for p in u.params:                # consumed, as torch's zero_grad() after step
+                    p.grad = None
         self._sample("step done")
         return norm
 
@@ -123,8 +133,11 @@ class DDP:
         """Full weights in the block - always true below ZeRO-3. modifier_rank=r: on exit, rank
         r's weights are broadcast and written into every rank's master weights (DeepSpeed's
         GatheredParameters). Every rank must enter."""
+        before = fingerprint(self.units)
         yield
-        if modifier_rank is not None:
+        if modifier_rank is None:           # the same edit on every rank: kept at the step
+            check_edits(self.comm, self.units, before)
+        else:
             write_back(self, modifier_rank, sharded=False)
 
     def close(self):
@@ -139,6 +152,7 @@ class DDP:
         """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
         [Ψ_u/N] of each state (zerolab.run.checkpoint writes them). DDP holds every state in full
         but writes only its own 1/N of it, like the ZeRO stages."""
+        self._adopt_edits()
         return {u.name: {"params": u.own(u.param_flat),
                          **adam_state(self.optimizer, u.master, u.own)} for u in self.units}
 
@@ -150,6 +164,10 @@ class DDP:
             u.master.copy_(read(u, "master"))
             set_adam_state(self.optimizer, u.master, read(u, "exp_avg"), read(u, "exp_avg_sq"),
                            step)
+
+    def _adopt_edits(self):
+        for u in self.units:                # in place or `p.data = t`: the master takes them
+            adopt_edits(u, u.param_flat, u.master)
 
     def _sample(self, tag):
         if self.meter is not None:

@@ -16,12 +16,13 @@ of DDP / ZeRO-1 / ZeRO-2, torch DDP's bucket_cap_mb) consecutive blocks share on
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from . import theory
+from . import guards, theory
+from .hooks import (GradReady, on_grads_ready, on_post_backward,  # noqa: F401 - re-exported:
+                    on_pre_backward)                                # the strategies' hooks
 
 ROOT = "root"
 
@@ -90,7 +91,7 @@ class FlatUnit:
     def bind_params(self, flat: torch.Tensor):
         """Make every parameter's data a view of `flat`, so writes to `flat` update the model."""
         for p, view in zip(self.params, self.views(flat)):
-            p.data = view
+            guards.unshard_param(p, view)
 
     def bind_grads(self, flat: torch.Tensor):
         """Make every parameter's .grad a view of `flat`: autograd accumulates straight into it.
@@ -107,12 +108,12 @@ class FlatUnit:
         for p, view in zip(self.params, self.views(flat)):
             p.grad = view
 
-    def unbind_params(self):
-        """Point every parameter at an empty tensor (ZeRO-3 outside a gather): reading it is
-        well defined (0 elements), never a view of freed storage."""
-        empty = torch.empty(0, dtype=self.param_flat.dtype, device=self.param_flat.device)
-        for p in self.params:
-            p.data = empty
+    def unbind_params(self, why: str):
+        """Make every parameter a placeholder (ZeRO-3 outside a gather: `guards.shard_param`):
+        full shape, dtype and device, no memory, never a view of freed storage; reading or
+        changing its values raises `guards.ShardedValues` with `why` and the parameter's name."""
+        for name, p, shape in zip(self.names, self.params, self.shapes):
+            guards.shard_param(p, shape, f"{name}: {why}")
 
     def segments(self, sharded: bool) -> list[tuple[int, int]]:
         """(lo, hi) of each parameter inside this rank's master buffer: the whole flat buffer
@@ -233,108 +234,6 @@ def grad_copies(units: list[FlatUnit]) -> list[torch.Tensor]:
             and u.master.grad.untyped_storage().data_ptr() not in bufs]
 
 
-# --- hooks ---------------------------------------------------------------------------------
-class GradReady:
-    """Call `callback(unit)` once per backward for every unit, in one fixed order on every rank.
-
-    A unit is ready when each of its parameters has accumulated its gradient (a post-accumulate
-    -grad hook per parameter). Callbacks run in torch DDP's bucket order - blocks in reverse
-    forward order, the root unit last - so every rank issues its collectives in the same order
-    even when a parameter gets no gradient on some rank (unused, a branch not taken, frozen
-    later): such a unit, and the ones after it, wait for `finish()` (end of backward: every
-    unit not yet ready is taken as ready) or `flush_before(unit)` (ZeRO-3: a unit's backward
-    starts, so the units after it in forward order are done). Without this a unit's hook never
-    fires and its gradients are never reduced: ranks drift apart in silence.
-    A gradient that arrives for a unit already handed to `callback` raises RuntimeError naming
-    the parameter (it is used outside its unit's module). `close()` removes the hooks.
-    """
-
-    def __init__(self, units: list[FlatUnit], callback):
-        self.units, self.callback = units, callback
-        self.order = list(reversed(units))      # units: root first, then blocks in forward order
-        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, i))
-                        for u in units for i, p in enumerate(u.params)]
-        self.start()
-
-    def start(self):
-        """Call before each backward."""
-        self.next = 0
-        for u in self.units:
-            u.got, u.is_ready, u.reduced = [False] * len(u.params), False, False
-
-    def _on_grad(self, u, i, p):
-        if u.reduced:
-            raise RuntimeError(f"parameter {u.names[i]} got its gradient after unit {u.name} was "
-                               "reduced: it is used outside that unit's module")
-        if u.grad_views is not None and p.grad is not None:   # fp32 grads of bf16 weights
-            u.grad_views[i].add_(p.grad)
-            p.grad = None
-        u.got[i] = u.used[i] = True
-        if all(u.got):
-            u.is_ready = True
-            self._advance()
-
-    def _advance(self):
-        while self.next < len(self.order) and self.order[self.next].is_ready:
-            u = self.order[self.next]
-            self.next += 1
-            u.reduced = True
-            self.callback(u)
-
-    def flush_before(self, unit: FlatUnit):
-        """`unit`'s backward begins: every unit before it in the order is done."""
-        for u in self.order[:self.order.index(unit)]:
-            u.is_ready = True
-        self._advance()
-
-    def finish(self):
-        """End of backward: units whose parameters got no gradient are ready too."""
-        for u in self.order:
-            u.is_ready = True
-        self._advance()
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-
-def on_grads_ready(units: list[FlatUnit], callback) -> GradReady:
-    """`GradReady(units, callback)`: callback(unit) once per backward per unit, in one order."""
-    return GradReady(units, callback)
-
-
-def on_pre_backward(module: torch.nn.Module, callback):
-    """Call `callback()` when the gradient of `module`'s output arrives, i.e. just before the
-    module's own backward runs (FSDP's pre-backward hook). Output: a tensor or tuple of them.
-    Returns a handle whose remove() takes away the forward hook and drops `callback` from the
-    gradient hooks already put on output tensors (a memory tracker, say, may keep those tensors
-    alive: they must not keep the strategy alive with them)."""
-    box = [callback]
-
-    def forward_hook(mod, args, output):
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
-        fired = []
-        for t in tensors:
-            def grad_hook(grad):
-                if not fired and box[0] is not None:
-                    fired.append(True)
-                    box[0]()
-                return grad
-            t.register_hook(grad_hook)
-    return _PreBackwardHandle(module.register_forward_hook(forward_hook), box)
-
-
-class _PreBackwardHandle:
-    def __init__(self, handle, box):
-        self.handle, self.box = handle, box
-
-    def remove(self):
-        self.handle.remove()
-        self.box[0] = None
-
-
 # --- storage that comes and goes (ZeRO-3's gathered blocks, ZeRO-2/3's gradient buckets) ----
 def free_storage(t: torch.Tensor):
     """Release `t`'s memory but keep the tensor (and every view of it) for later refilling."""
@@ -407,12 +306,21 @@ def write_back(strategy, modifier_rank: int, sharded: bool):
     Only elements that changed reach the fp32 master (untouched ones keep their low bits)."""
     with strategy.comm.phase("eval"):
         for u in strategy.units:
+            guards.take_replaced(u, u.param_flat)           # `p.data = t` in the block counts
             strategy.comm.broadcast(u.param_flat, modifier_rank, what="params", unit=u.name)
-            own = u.own(u.param_flat) if sharded else u.param_flat
-            changed = own != u.master.to(own.dtype)
-            u.master[changed] = own[changed].float()
-            if u.param_shard is not None:
-                u.param_shard.copy_(own)
+    keep_own_range(strategy, sharded)
+
+
+def keep_own_range(strategy, sharded: bool):
+    """Write this rank's part of every unit's full weights `param_flat` (changed inside
+    `gathered()`) into its master weights (only elements that changed: untouched ones keep their
+    low fp32 bits) and, ZeRO-3, its bf16 shard."""
+    for u in strategy.units:
+        own = u.own(u.param_flat) if sharded else u.param_flat
+        changed = own != u.master.to(own.dtype)
+        u.master[changed] = own[changed].float()
+        if u.param_shard is not None:
+            u.param_shard.copy_(own)
 
 
 # --- checkpoints: one unit's AdamW state out and in (zerolab.run.checkpoint) ---------------------

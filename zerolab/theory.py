@@ -150,9 +150,22 @@ def peak_step_bytes(psi: float, world_size: int, stage: int, precision: str = "b
             + grad_copy_bytes(psi, world_size, stage, precision, grad_dtype))
 
 
+def accumulation_grad_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
+                            no_sync: bool = False, grad_dtype: str | None = None) -> float:
+    """Per-rank gradient bytes held between the micro-steps of one optimizer step. DDP and
+    ZeRO-1 always hold the full local gradient (2Ψ in bf16): `backward(sync=False)` (torch's
+    no_sync) costs no memory there. ZeRO-2/3 reduce-scatter every micro-step and keep 2Ψ/N;
+    with no_sync=True (micro-steps before the last run with sync=False, FSDP2's
+    set_requires_gradient_sync(False)) they hold the full local gradient too, 2Ψ - the price of
+    sending one reduce_scatter a step instead of one per micro-step (`traffic_bytes`)."""
+    n = check_world_size(world_size)
+    full = psi * bytes_per_param(precision, grad_dtype)["grads"]
+    return full / n if is_sharded("grads", stage) and not no_sync else full
+
+
 def traffic_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
                   zero1_grad_op: str = "all_reduce", grad_accum: int = 1,
-                  grad_dtype: str | None = None) -> dict[str, float]:
+                  grad_dtype: str | None = None, no_sync: bool = False) -> dict[str, float]:
     """Per-rank bytes sent per optimizer step by the ring algorithm, by collective.
 
     DDP: all_reduce of the gradients, 2(n-1)/n · 2Ψ in bf16 (once per step: micro-steps before the
@@ -160,6 +173,9 @@ def traffic_bytes(psi: float, world_size: int, stage: int, precision: str = "bf1
     3(n-1)/n · 2Ψ (the notes' path), or reduce_scatter + all_gather = 2(n-1)/n · 2Ψ. ZeRO-2:
     reduce_scatter every micro-step + one all_gather. ZeRO-3: per micro-step two all_gathers
     (forward and backward) and one reduce_scatter, 3(n-1)/n · 2Ψ; no all_gather after the step.
+    no_sync=True: micro-steps before the last ran `backward(sync=False)`; ZeRO-2/3 then
+    reduce_scatter once a step (and hold the full local gradient meanwhile:
+    `accumulation_grad_bytes`); ZeRO-3 still gathers twice per micro-step.
     Returns {"all_reduce": B, "reduce_scatter": B, "all_gather": B} in bytes.
     Source: ZeRO paper section 7; nccl-tests PERFORMANCE.md.
     """
@@ -171,14 +187,15 @@ def traffic_bytes(psi: float, world_size: int, stage: int, precision: str = "bf1
     grads, params = psi * per_param["grads"], psi * per_param["params"]
     ar, rs, ag = (RING_FACTOR[op](n) for op in ("all_reduce", "reduce_scatter", "all_gather"))
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    reductions = 1 if no_sync else grad_accum          # ZeRO-2/3: reduce_scatters a step
     if stage == 0 or (stage == 1 and zero1_grad_op == "all_reduce"):
         out["all_reduce"] = ar * grads
     elif stage in (1, 2):
-        out["reduce_scatter"] = rs * grads * (grad_accum if stage == 2 else 1)
+        out["reduce_scatter"] = rs * grads * (reductions if stage == 2 else 1)
     if stage in (1, 2):
         out["all_gather"] = ag * params
     if stage == 3:
-        out["reduce_scatter"] = rs * grads * grad_accum
+        out["reduce_scatter"] = rs * grads * reductions
         out["all_gather"] = 2 * ag * params * grad_accum
     return out
 

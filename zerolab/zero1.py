@@ -19,6 +19,8 @@ import contextlib
 
 import torch
 
+from .guards import (adopt_edits, check_edits, check_step, claim_grads, fingerprint,
+                     shard_grads, sync_module_states)
 from .optim import make_flat_optimizer
 from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
                        check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
@@ -56,6 +58,7 @@ class ZeRO1:
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused = find_unused_parameters
+        sync_module_states(model, comm)                 # rank 0's weights, as torch DDP does
         self.units = build_units(model, comm.world_size, comm.rank,
                                  bucket_numel(bucket_mb, model, grad_dtype))
         for u in self.units:
@@ -67,8 +70,9 @@ class ZeRO1:
             u.bind_grads(u.grad_flat)
             # --- optimizer state: this rank's range only -----------------------------------
             u.master = u.own(u.param_flat).float().clone()      # [Ψ_u/N] fp32 master shard
+            u.averaged = False          # reduce_scatter done: own range averaged, the rest stale
         self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
-        self.inflight, self.sync = [], True
+        self.inflight, self.sync, self.fresh = [], True, False
         self.ready = GradReady(self.units, self._grads_ready)
         self.handles = []
 
@@ -80,8 +84,15 @@ class ZeRO1:
     # --- backward: as DDP (all_reduce), or reduce_scatter into the owned range ---------------
     def backward(self, loss, *, sync=True):
         """sync=False on micro-steps before the last (grads accumulate locally, no traffic)."""
-        self.sync = sync
+        self.sync, self.fresh = sync, True
         check_trainable(self.model, self.units)
+        for u in self.units:
+            if u.averaged:                  # a second synchronised backward before the step:
+                u.own(u.grad_flat).mul_(self.n)           # own range back to a sum, the rest 0
+                u.grad_flat[:u.start].zero_()
+                u.grad_flat[u.start + u.shard_numel:].zero_()
+                u.averaged = False
+            claim_grads(u, u.grad_flat)     # p.grad: the bucket again (the loop's zero_grad kept)
         self.ready.start()
         with self.comm.phase("backward"):
             loss.backward()
@@ -91,6 +102,8 @@ class ZeRO1:
             self.inflight.clear()
         if sync and not self.find_unused:
             check_all_used(self.units, self.comm.rank)
+        if sync and self.grad_op == "reduce_scatter":   # only the own range is averaged now
+            shard_grads(self.units, "ZeRO-1 with grad_op='reduce_scatter'")
         self._sample("backward done")
 
     def _grads_ready(self, u):
@@ -103,12 +116,16 @@ class ZeRO1:
             handle = self.comm.reduce_scatter(u.own(u.grad_flat), u.grad_flat, what="grads",
                                               unit=u.name, async_op=True)
             handle.on_done = lambda: u.own(u.grad_flat).div_(self.n)
+            u.averaged = True
         self.inflight.append(handle)
         self._sample(f"{self.grad_op} {u.name}")
 
     # --- step: update the owned range, then all_gather every rank's range ---------------------
     def step(self) -> torch.Tensor:
+        check_step(self.sync, self.fresh)   # a backward ran since, and reduced the grads
+        self.fresh = False
         with self.comm.phase("step"):
+            self._adopt_edits()             # weights the loop changed since the last step
             used = global_used(self.units, self.comm) if self.find_unused else None
             fp32_grads(self.units, [own_gradient(u) for u in self.units])  # [Ψ_u/N] fp32
             self._sample("fp32 grads")
@@ -120,7 +137,9 @@ class ZeRO1:
                 handles.append(publish_update(self.comm, u))        # own range, all_gather
                 u.master.grad = None
                 u.grad_flat.zero_()
-                u.used = [False] * len(u.params)
+                u.used, u.averaged = [False] * len(u.params), False
+                for p in u.params:                # consumed, as torch's zero_grad() after step
+                    p.grad = None
             for handle in handles:
                 handle.wait()
         self._sample("step done")
@@ -143,8 +162,11 @@ class ZeRO1:
         """Full weights in the block - always true below ZeRO-3. modifier_rank=r: on exit, rank
         r's weights are broadcast and written into every rank's master shard (DeepSpeed's
         GatheredParameters). Every rank must enter."""
+        before = fingerprint(self.units)
         yield
-        if modifier_rank is not None:
+        if modifier_rank is None:           # the same edit on every rank: kept at the step
+            check_edits(self.comm, self.units, before)
+        else:
             write_back(self, modifier_rank, sharded=True)
 
     def close(self):
@@ -158,6 +180,7 @@ class ZeRO1:
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
         [Ψ_u/N] of each state (zerolab.run.checkpoint writes them)."""
+        self._adopt_edits()
         return {u.name: {"params": u.own(u.param_flat), **adam_state(self.optimizer, u.master)}
                 for u in self.units}
 
@@ -169,6 +192,10 @@ class ZeRO1:
             u.master.copy_(u.own(read(u, "master")))                # [Ψ_u/N] own range
             set_adam_state(self.optimizer, u.master, u.own(read(u, "exp_avg")),
                            u.own(read(u, "exp_avg_sq")), step)
+
+    def _adopt_edits(self):
+        for u in self.units:                # in place or `p.data = t`: the owner takes them
+            adopt_edits(u, u.param_flat, u.master, u.own)
 
     def _sample(self, tag):
         if self.meter is not None:

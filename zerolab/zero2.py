@@ -20,6 +20,8 @@ import contextlib
 
 import torch
 
+from .guards import (ShardedGrad, adopt_edits, check_edits, check_step, claim_grads,
+                     claim_shard_grads, fingerprint, shard_grads, sync_module_states)
 from .optim import make_flat_optimizer
 from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
                        check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
@@ -57,6 +59,7 @@ class ZeRO2:
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
         self.handles = []
+        sync_module_states(model, comm)                 # rank 0's weights, as torch DDP does
         self.units = build_units(model, comm.world_size, comm.rank,
                                  bucket_numel(bucket_mb, model, grad_dtype))
         for u in self.units:
@@ -73,7 +76,7 @@ class ZeRO2:
             self.handles += [on_pre_backward(m, lambda u=u: self._open_bucket(u))
                              for m in reversed(u.modules)]
         self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
-        self.inflight = []
+        self.inflight, self.sync, self.fresh = [], True, False
         self.ready = GradReady(self.units, self._grads_ready)
 
     # --- forward: local, no communication ----------------------------------------------------
@@ -83,10 +86,21 @@ class ZeRO2:
 
     # --- backward: reduce_scatter each bucket as soon as its grads are ready, then free it ---
     def backward(self, loss, *, sync=True):
-        """Every micro-step is reduce-scattered (sync: last micro-step of the optimizer step)."""
+        """sync=True: each bucket is reduce-scattered as soon as it is full, then freed, so the
+        full gradient never outlives its block (accumulating micro-steps this way costs one
+        reduce_scatter each). sync=False (torch's no_sync, FSDP2's
+        set_requires_gradient_sync(False)): no traffic; the full local gradient stays in the
+        buckets until a sync=True backward reduces the sum - ZeRO-1's gradient memory (2Ψ
+        bytes, `theory.accumulation_grad_bytes`) for one reduce_scatter per step, and micro-step
+        counts may differ between ranks."""
+        self.sync, self.fresh = sync, True
         check_trainable(self.model, self.units)
         self.ready.start()
-        for u in self.units:
+        for u in self.units:                # p.grad as the loop left it (zero_grad, assigned)
+            if u.bucket is not None:        # accumulating after sync=False
+                claim_grads(u, u.bucket)
+            else:
+                claim_shard_grads(u, self._open_bucket)
             if u.module is None:            # the root unit has no output to hook: open now
                 self._open_bucket(u)
         with self.comm.phase("backward"):
@@ -96,6 +110,8 @@ class ZeRO2:
                 self.inflight.pop(0).wait()
         if sync and not self.find_unused:
             check_all_used(self.units, self.comm.rank)
+        if sync:                            # the averaged gradient lives in shards only
+            shard_grads(self.units, f"ZeRO-{self.stage}")
         self._sample("backward done")
 
     def _open_bucket(self, u):
@@ -108,6 +124,8 @@ class ZeRO2:
     def _grads_ready(self, u):
         if u.bucket is None:                # its backward never ran here: reduce zeros
             self._open_bucket(u)
+        if not self.sync:                   # accumulate: the bucket stays, nothing is sent
+            return
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
         u.grad_views = None                 # the gradients are in the bucket now
@@ -116,7 +134,10 @@ class ZeRO2:
 
     # --- step: update the owned range, then all_gather every rank's range ---------------------
     def step(self) -> torch.Tensor:
+        check_step(self.sync, self.fresh)   # a backward ran since, and reduced the grads
+        self.fresh = False
         with self.comm.phase("step"):
+            self._adopt_edits()             # weights the loop changed since the last step
             used = global_used(self.units, self.comm) if self.find_unused else None
             fp32_grads(self.units, [u.grad_shard for u in self.units])       # [Ψ_u/N] fp32
             self._sample("fp32 grads")
@@ -131,6 +152,8 @@ class ZeRO2:
                 u.master.grad = None
                 u.grad_shard.zero_()
                 u.used = [False] * len(u.params)
+                for p in u.params:                # consumed, as torch's zero_grad() after step
+                    p.grad = None
             for handle in handles:
                 handle.wait()
         self._sample("step done")
@@ -141,8 +164,9 @@ class ZeRO2:
         masters = [u.master for u in self.units]
         return {"params": [u.param_flat for u in self.units],
                 "grads": [u.grad_shard for u in self.units],
-                "grad_buckets": [u.bucket for u in self.units] + [p.grad for u in self.units
-                                                                  for p in u.params],
+                "grad_buckets": [u.bucket for u in self.units] + [
+                    p.grad for u in self.units for p in u.params
+                    if type(p.grad) is not ShardedGrad],
                 "reduce_scatter_out": [u.rs_out for u in self.units],
                 **optimizer_states(self.optimizer, masters),
                 "grad_fp32": grad_copies(self.units)}
@@ -156,8 +180,11 @@ class ZeRO2:
         """Full weights in the block - always true below ZeRO-3. modifier_rank=r: on exit, rank
         r's weights are broadcast and written into every rank's master shard (DeepSpeed's
         GatheredParameters). Every rank must enter."""
+        before = fingerprint(self.units)
         yield
-        if modifier_rank is not None:
+        if modifier_rank is None:           # the same edit on every rank: kept at the step
+            check_edits(self.comm, self.units, before)
+        else:
             write_back(self, modifier_rank, sharded=True)
 
     def close(self):
@@ -171,6 +198,7 @@ class ZeRO2:
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
         [Ψ_u/N] of each state (zerolab.run.checkpoint writes them)."""
+        self._adopt_edits()
         return {u.name: {"params": u.own(u.param_flat), **adam_state(self.optimizer, u.master)}
                 for u in self.units}
 
@@ -182,6 +210,10 @@ class ZeRO2:
             u.master.copy_(u.own(read(u, "master")))                # [Ψ_u/N] own range
             set_adam_state(self.optimizer, u.master, u.own(read(u, "exp_avg")),
                            u.own(read(u, "exp_avg_sq")), step)
+
+    def _adopt_edits(self):
+        for u in self.units:                # in place or `p.data = t`: the owner takes them
+            adopt_edits(u, u.param_flat, u.master, u.own)
 
     def _sample(self, tag):
         if self.meter is not None:

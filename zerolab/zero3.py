@@ -21,10 +21,17 @@ import contextlib
 
 import torch
 
+from .guards import (ShardedGrad, agree, check_edits, check_step, claim_grads,
+                     claim_shard_grads, fingerprint, is_placeholder, shard_grads,
+                     sync_module_states, take_replaced)
 from .optim import make_flat_optimizer
 from .sharding import (GradReady, adam_state, alloc_storage, build_units, check_all_used,
                        check_trainable, clip_grad_norm_, fp32_grads, free_storage, global_used,
-                       grad_copies, on_pre_backward, optimizer_states, set_adam_state, write_back)
+                       grad_copies, keep_own_range, on_post_backward, on_pre_backward,
+                       optimizer_states, set_adam_state, write_back)
+
+SHARDED = ("ZeRO-3 holds only this rank's shard of the weights outside forward/backward: read "
+           "or change them inside `with strategy.gathered():` (modifier_rank=r to keep changes)")
 
 
 # --- gather before, free after (exercise (e): `zerolab check zero3 --impl FILE` replaces them) --
@@ -62,8 +69,14 @@ class ZeRO3:
         prefetch=k gathers k blocks ahead (k + 1 gathered blocks), -1 all remaining at once. keep_root=True
         keeps the root unit gathered from forward into backward (one all_gather fewer, the
         root's full weights held in between).
-        Outside forward / backward a parameter is an empty tensor (0 elements), never a view of
-        freed memory; read or change full weights inside `with strategy.gathered():`."""
+        Outside forward / backward a parameter keeps its full shape, dtype and device but holds
+        no values: reading or changing them raises `guards.ShardedValues` naming
+        `strategy.gathered()` (never an empty tensor that looks like data).
+        Forward and backward follow FSDP2: a block is gathered by its own pre-forward hook and
+        again by its pre-backward hook (once per pass, however often it is called); its forward
+        calls are counted and its post-backward hook counts them down, so a block called in two
+        forwards before one backward is reduced after both; the root unit is gathered by the
+        model's own forward hooks, so `model(x, y)` under torch.no_grad() works between steps."""
         if isinstance(prefetch, bool):
             prefetch = int(prefetch)
         if not isinstance(prefetch, int) or prefetch < -1:
@@ -72,52 +85,100 @@ class ZeRO3:
         self.model, self.comm, self.meter, self.prefetch = model, comm, meter, prefetch
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
-        self.handles, self.pinned = [], False
+        self.handles, self.pinned, self.sync, self.fresh = [], False, True, False
+        sync_module_states(model, comm)                 # rank 0's weights, as FSDP does
         self.units = build_units(model, comm.world_size, comm.rank)
         for u in self.units:
             # --- params: this rank's range; the full buffer exists only while gathered -----
             u.param_flat = u.flatten()                          # [Ψ_u] bf16, transient
             u.param_shard = u.own(u.param_flat).clone()         # [Ψ_u/N] bf16, resident
-            u.unbind_params()
+            u.unbind_params(SHARDED)
             free_storage(u.param_flat)
+            u.gathered, u.pending, u.bw_gathered = False, 0, False
             # --- grads: only this rank's range, averaged; full grads live in a bucket -------
             u.grad_shard = torch.zeros_like(u.param_shard, dtype=grad_dtype)   # [Ψ_u/N] bf16
             # --- optimizer state: this rank's range only -----------------------------------
             u.master = u.param_shard.float().clone()            # [Ψ_u/N] fp32 master shard
             if u.module is not None:
                 self.handles += [
-                    u.module.register_forward_pre_hook(lambda *_, u=u: self._pre_forward(u)),
-                    u.module.register_forward_hook(lambda *_, u=u: self._free(u)),
+                    u.module.register_forward_pre_hook(
+                        lambda _, args, u=u: self._pre_forward(u, args)),
+                    u.module.register_forward_hook(lambda *_, u=u: self._post_forward(u)),
                     on_pre_backward(u.module, lambda u=u: self._pre_backward(u))]
-        self.handles += [m.register_state_dict_pre_hook(self._check_gathered)
-                         for m in (model, *(u.module for u in self.units if u.module is not None))]
+        self.handles += [model.register_forward_pre_hook(lambda *_: self._root_pre_forward()),
+                         model.register_forward_hook(lambda *_: self._root_post_forward())]
+        for m in (model, *(u.module for u in self.units if u.module is not None)):
+            self.handles += [m.register_state_dict_pre_hook(self._check_gathered),
+                             m.register_load_state_dict_pre_hook(self._check_gathered_load)]
         self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
         self.inflight = []
         self.root = [u for u in self.units if u.module is None]
         self.blocks = [u for u in self.units if u.module is not None]     # forward order
         self.prefetched = {}                # unit name -> all_gather issued ahead of use
         self.next_block = 0                 # forward: blocks before this one were gathered
+        self.agreed = 0                     # ledger records already compared between ranks
         self.ready = GradReady(self.units, self._grads_ready)
 
     def _gather(self, u):
-        if self.pinned:                     # inside gathered(): everything is already here
+        if self.pinned or u.gathered:       # inside gathered(), or gathered already this pass
             return
         if u.name in self.prefetched:       # issued earlier: just wait for it
             self.prefetched.pop(u.name).wait()
         else:
+            self._check_untouched(u)
             gather_params(self.comm, u)
         u.bind_params(u.param_flat)
+        u.gathered = True
         self._sample(f"all_gather {u.name}")
         if self.prefetch and u in self.blocks:          # depth: True = 1, k, or -1 = all
             order = self.blocks[::-1] if self.comm.current_phase == "backward" else self.blocks
             k, depth = order.index(u), int(self.prefetch)
             for nxt in order[k + 1:] if depth < 0 else order[k + 1:k + 1 + depth]:
-                if nxt.name not in self.prefetched:
+                if nxt.name not in self.prefetched and not nxt.gathered:
+                    self._check_untouched(nxt)
                     alloc_storage(nxt.param_flat)
                     self.prefetched[nxt.name] = self.comm.all_gather(
                         nxt.param_flat, nxt.param_shard, what="params", unit=nxt.name, async_op=True)
 
-    def _pre_forward(self, u):
+    def _check_untouched(self, u):
+        # `p.data = t` on a sharded parameter: its values would be overwritten by the gather
+        for name, p in zip(u.names, u.params):
+            if not is_placeholder(p):
+                raise RuntimeError(f"parameter {name} was given new data (p.data = ...) while "
+                                   "ZeRO-3 held only its shard: change weights inside "
+                                   "`with strategy.gathered(modifier_rank=r):`")
+
+    def _free(self, u):
+        if self.pinned or not u.gathered:
+            return
+        u.unbind_params(SHARDED)
+        free_params(u)
+        u.gathered = False
+        self._sample(f"free {u.name}")
+
+    def _drain_prefetch(self):
+        # all_gathers issued ahead for blocks this pass did not use: wait, then free them (a
+        # gather left in flight across a step would bring back stale weights)
+        for name in list(self.prefetched):
+            self.prefetched.pop(name).wait()
+            u = next(u for u in self.blocks if u.name == name)
+            free_params(u)
+
+    # --- forward: gather each block just before it runs, free it right after -----------------
+    def forward(self, x, y):
+        with self.comm.phase("forward"):
+            return self.model(x, y)
+
+    def _root_pre_forward(self):
+        # every forward pass, with or without grad: root params (tied embedding / head) span it
+        self.next_block = 0
+        for u in self.root:
+            self._gather(u)
+
+    def _pre_forward(self, u, args):
+        if self.comm.current_phase == "backward":   # activation checkpointing recomputes it
+            self._gather(u)
+            return args
         # a block this rank's forward skipped (data-dependent control flow) is gathered and freed
         # anyway, so that every rank issues the same all_gathers in the same order
         i = self.blocks.index(u)
@@ -128,63 +189,88 @@ class ZeRO3:
             self.next_block += 1
         self.next_block = max(self.next_block, i + 1)
         self._gather(u)
+        if not torch.is_grad_enabled():
+            return args
+        u.pending += 1                      # one more backward of this block to come
+        return on_post_backward(args, lambda: self._post_backward(u))
 
-    def _free(self, u):
-        if self.pinned:
-            return
-        u.unbind_params()
-        free_params(u)
-        self._sample(f"free {u.name}")
+    def _post_forward(self, u):
+        if self.comm.current_phase != "backward":   # recomputed in backward: its backward frees it
+            self._free(u)
 
-    # --- forward: gather each block just before it runs, free it right after -----------------
-    def forward(self, x, y):
-        with self.comm.phase("forward"):
-            for u in self.root:             # root params (tied embedding/head) span the pass
-                self._gather(u)
-            self.next_block = 0
-            loss = self.model(x, y)
-            for u in self.blocks[self.next_block:]:     # skipped at the end: same collectives
-                self._gather(u)
+    def _root_post_forward(self):
+        for u in self.blocks[self.next_block:]:     # skipped at the end: same collectives
+            self._gather(u)
+            self._free(u)
+        self.next_block = 0
+        self._drain_prefetch()
+        for u in self.root:
+            if not (self.keep_root and torch.is_grad_enabled()):  # keep_root: held into backward
                 self._free(u)
-            self.next_block = 0
-            for u in self.root:
-                if not self.keep_root:      # keep_root: held into backward (FSDP2's root)
-                    self._free(u)
-            return loss
 
     # --- backward: gather again, reduce_scatter each bucket, free params and bucket ----------
     def backward(self, loss, *, sync=True):
-        """Every micro-step is reduce-scattered (sync: last micro-step of the optimizer step)."""
+        """sync=True: each block's gradient is reduce-scattered as soon as its backward is done.
+        sync=False (torch's no_sync, FSDP2's set_requires_gradient_sync(False)): no
+        reduce_scatter; the full local gradients stay in the buckets (ZeRO-1's 2Ψ bytes of
+        gradient, `theory.accumulation_grad_bytes`) until a sync=True backward reduces the sum.
+        The weights are still gathered in every forward and backward, so every rank must run
+        the same micro-steps: ranks that disagree on `sync` (uneven micro-steps), or that issued
+        different all_gathers since the last backward (blocks called in a rank-dependent order),
+        raise RuntimeError on every rank (one all_reduce of 4 int64 a backward checks it)."""
+        self.agreed = agree(self.comm, sync, self.agreed, self.units[0].master.device)
+        self.sync = sync
+        self.fresh = True
         check_trainable(self.model, self.units)
         self.ready.start()
         with self.comm.phase("backward"):
+            for u in self.units:
+                u.bw_gathered = False
+                if u.bucket is not None:    # p.grad as the loop left it: accumulating
+                    claim_grads(u, u.bucket)
+                else:                       # ... or after a synchronising backward / a step
+                    claim_shard_grads(u, self._open_bucket)
             for u in self.root:
-                if not (self.keep_root and u.param_flat.untyped_storage().nbytes()):
-                    self._gather(u)
+                self._gather(u)
+                u.bw_gathered = True
                 self._open_bucket(u)
             loss.backward()
             self.ready.finish()             # units whose params got no gradient: reduce now
             while self.inflight:
                 self.inflight.pop(0).wait()
+            self._drain_prefetch()
+            for u in self.units:
+                u.pending = 0
         if sync and not self.find_unused:
             check_all_used(self.units, self.comm.rank)
+        if sync:                            # the averaged gradient lives in shards only
+            shard_grads(self.units, "ZeRO-3")
         self._sample("backward done")
 
+    def _post_backward(self, u):
+        u.pending = max(0, u.pending - 1)
+
     def _pre_backward(self, u):
-        self.ready.flush_before(u)          # the units after u in forward order are done
+        self.ready.flush_before(u)          # the units after u with no backward pending are done
         self._gather(u)
+        u.bw_gathered = True
         self._open_bucket(u)
 
     def _open_bucket(self, u):
+        if u.bucket is not None:            # open already (accumulating, or a second graph)
+            return
         u.bucket = torch.zeros_like(u.param_flat, dtype=self.grad_dtype)  # [Ψ_u] bf16, transient
         u.bind_grads(u.bucket)
         self._sample(f"bucket {u.name}")
 
     def _grads_ready(self, u):
-        if u.bucket is None:                # its backward never ran here (skipped in forward):
+        if not u.bw_gathered:               # its backward never ran here (skipped in forward):
             self._gather(u)                 # the same all_gather as the other ranks, then
-            self._open_bucket(u)            # reduce zeros
+            u.bw_gathered = True            # reduce zeros
+            self._open_bucket(u)
         self._free(u)                       # this block's backward is done with its weights
+        if not self.sync:                   # accumulate: the bucket stays, nothing is sent
+            return
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
         out = u.rs_out = torch.empty_like(u.grad_shard)       # [Ψ_u/N] bf16, in flight
@@ -202,6 +288,8 @@ class ZeRO3:
 
     # --- step: update the owned range; nothing to gather, nobody keeps full weights -----------
     def step(self) -> torch.Tensor:
+        check_step(self.sync, self.fresh)   # a backward ran since, and reduced the grads
+        self.fresh = False
         with self.comm.phase("step"):
             used = global_used(self.units, self.comm) if self.find_unused else None
             fp32_grads(self.units, [u.grad_shard for u in self.units])       # [Ψ_u/N] fp32
@@ -214,6 +302,10 @@ class ZeRO3:
                 u.master.grad = None
                 u.grad_shard.zero_()
                 u.used = [False] * len(u.params)
+                for p in u.params:                # consumed, as torch's zero_grad() after step
+                    p.grad = None
+                self._free(u)               # anything still gathered holds the old weights
+            self._drain_prefetch()
         self._sample("step done")
         return norm
 
@@ -223,8 +315,9 @@ class ZeRO3:
         return {"params": [u.param_shard for u in self.units],
                 "grads": [u.grad_shard for u in self.units],
                 "gathered_params": [u.param_flat for u in self.units],
-                "grad_buckets": [u.bucket for u in self.units] + [p.grad for u in self.units
-                                                                  for p in u.params],
+                "grad_buckets": [u.bucket for u in self.units] + [
+                    p.grad for u in self.units for p in u.params
+                    if type(p.grad) is not ShardedGrad],
                 "reduce_scatter_out": [u.rs_out for u in self.units],
                 **optimizer_states(self.optimizer, masters),
                 "grad_fp32": grad_copies(self.units)}
@@ -245,21 +338,31 @@ class ZeRO3:
         with self.comm.phase("eval"):
             for u in self.units:
                 self._gather(u)
+        before = fingerprint(self.units)
         self.pinned = True
         try:
             yield
+            for u in self.units:            # `p.data = t` inside the block: t's values count
+                take_replaced(u, u.param_flat)
             if modifier_rank is not None:
                 write_back(self, modifier_rank, sharded=True)
+            elif check_edits(self.comm, self.units, before):   # the same edit on every rank
+                keep_own_range(self, sharded=True)
         finally:
             self.pinned = False
             for u in self.units:
                 self._free(u)
 
     def _check_gathered(self, module, prefix, keep_vars):
-        # keep_vars=True asks for the live parameters themselves (empty tensors here): allowed
+        # keep_vars=True asks for the live parameters themselves (placeholders here): allowed
         if not self.pinned and not keep_vars:
             raise RuntimeError("ZeRO-3 holds only shards of the weights: call state_dict() "
                                "inside `with strategy.gathered():` (on every rank)")
+
+    def _check_gathered_load(self, *_):
+        if not self.pinned:
+            raise RuntimeError("ZeRO-3 holds only shards of the weights: call load_state_dict() "
+                               "inside `with strategy.gathered(modifier_rank=0):` (on every rank)")
 
     def close(self):
         """Remove every hook this strategy put on the model, so that it can be freed."""

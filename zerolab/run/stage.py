@@ -123,8 +123,8 @@ def build(st: Stage, ckpt=None):
     st.model = GPT(st.cfg).to(device=st.device, dtype=DTYPES[args.precision])
     st.psi = num_params(st.model)
     st.meter = MemoryMeter()
-    st.comm.records.clear()
     st.strategy = make_strategy(st.stage, st.model, st.comm, args, st.meter)
+    st.comm.records.clear()                 # the ledger holds the steps (not rank 0's broadcast)
     if args.trace:                          # after the strategy: its hooks run first
         st.unit_ranges = trace.UnitRanges(st.model.zero_units())
     if ckpt is not None:
@@ -145,6 +145,7 @@ def one_step(st: Stage, tokens, step: int, next_forward=None):
     next_forward: called before each further forward (the allocator cross-check, memory.py)."""
     args, A, comm = st.args, st.args.grad_accum, st.comm
     x, y = get_batch(tokens, step, args.batch_size, st.cfg.block_size, args.seed)
+    sync_every = theory.is_sharded("grads", st.stage)    # no local full-gradient accumulation
     total = torch.zeros((), dtype=torch.float32, device=st.device)    # stays on the device:
     for micro in range(A):                                             # no host sync per micro-step
         if micro and next_forward is not None:
@@ -152,8 +153,8 @@ def one_step(st: Stage, tokens, step: int, next_forward=None):
         xm, ym = (rank_slice(t, comm.rank, comm.world_size, micro, A).to(st.device) for t in (x, y))
         with trace.phase("forward"):
             loss = st.strategy.forward(xm, ym)
-        with trace.phase("backward"):
-            st.strategy.backward(loss / A, sync=micro == A - 1)
+        with trace.phase("backward"):           # the notes' ZeRO-2/3 keep gradients sharded:
+            st.strategy.backward(loss / A, sync=micro == A - 1 or sync_every)   # reduce each time
         total += loss.detach().float() / A
     with trace.phase("step"):
         norm = st.strategy.step()

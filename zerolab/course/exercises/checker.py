@@ -170,6 +170,7 @@ def check_worker(rank, n, name, impl):
     from ... import STRATEGIES, theory
     from .. import testing
     from ...comm import Comm
+    from ...guards import ShardedGrad
     from ...memory import MemoryMeter
 
     ex = EXERCISES[name]
@@ -204,10 +205,13 @@ def check_worker(rank, n, name, impl):
                     finding(step, "memory", f"after forward (micro-step {micro + 1}) the full "
                             f"parameters of {held[0][0]} ({held[0][1]:,} bytes) are still "
                             f"gathered: free_params must release them")
-            s.backward(loss / ACCUM, sync=micro == ACCUM - 1)
+            # the course's loop (run/stage.py): ZeRO-2/3 reduce-scatter every micro-step, so
+            # that the full gradient never outlives its block (sync=False would keep it)
+            s.backward(loss / ACCUM, sync=micro == ACCUM - 1 or ex.stage >= 2)
             if ex.stage in (2, 3):
                 held = [u.name for u in s.units if u.bucket is not None
-                        or any(p.grad is not None for p in u.params)]
+                        or any(p.grad is not None and type(p.grad) is not ShardedGrad
+                               for p in u.params)]
                 if held:
                     finding(step, "memory", f"after backward (micro-step {micro + 1}) the "
                             f"full-gradient bucket of {held[0]} is still alive (unit.bucket or a "
