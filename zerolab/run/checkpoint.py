@@ -26,7 +26,29 @@ previous checkpoint and `latest` as they were. (Several nodes need a shared file
     OUT/stage{S}/checkpoints/latest                   text: step_000008
     OUT/stage{S}/checkpoints/step_000008/meta.json    rank 0
     OUT/stage{S}/checkpoints/step_000008/rank{r}.pt   torch.save({"units": {unit: {"params",
-                                                      "master", "exp_avg", "exp_avg_sq"}}, "rng"})
+                                                      "master", "exp_avg", "exp_avg_sq"}},
+                                                      "steps", "rng"[, "extra": rank 0]})
+
+What is saved (format version 2), so that a resume continues exactly and consolidation maps
+every piece onto torch's own layout:
+- each trainable parameter's params, fp32 master, exp_avg and exp_avg_sq (the units, sharded);
+- each trainable parameter's own AdamW step count, rank{r}.pt "steps" = {name: count} for the
+  parameters whose range overlaps rank r's (the only ranks that advance it). torch.optim.AdamW
+  keeps one count per parameter, and a parameter that gets no gradient in a step (a branch not
+  taken, find_unused_parameters) keeps its count: one count for all would change its bias
+  correction after a resume;
+- the replicated state no unit holds, rank 0's "extra" {state_dict key: tensor}: frozen
+  parameters (meta.json "frozen" lists them: requires_grad False when the strategy was built,
+  so in no optimizer) and buffers;
+- meta.json: format version, step, stage, world size, the run's args, losses, model config,
+  the unit layout (the parameters each unit holds, i.e. the optimizer's, in flat order), the
+  frozen parameters, the rank files' sizes.
+Version 1 checkpoints (no "steps", no "frozen") load with one count, the checkpoint's step, for
+every parameter, as they were written. A resume may freeze or unfreeze parameters: one frozen
+now takes its saved value (its optimizer state is dropped, as torch drops it from an optimizer
+built over the trainable parameters); one trainable now that was frozen then starts from its
+saved value with fresh AdamW state (zero moments, count 0), as a parameter added to a torch
+optimizer does.
 
 Why per-rank files and not torch.distributed.checkpoint (DCP) for the shards: DCP describes each
 saved piece as a box (offsets, lengths) of a named logical tensor and reshards by intersecting
@@ -57,7 +79,7 @@ import torch.distributed as dist
 
 from ..model import GPTConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2        # 2: per-parameter AdamW step counts ("steps"), meta.json "frozen"
 KEYS = ("params", "master", "exp_avg", "exp_avg_sq")
 MODEL_ARGS = ("preset", "block_size")
 RUNTIME_CONFIG = ("activation_checkpointing",)   # GPTConfig fields that change no parameter
@@ -82,6 +104,31 @@ def unit_layout(units, model) -> list[dict]:
              "shard_numel": u.shard_numel,
              "params": [[names[id(p)], list(shape)] for p, shape in zip(u.params, u.shapes)]}
             for u in units]
+
+
+def frozen_names(model, units) -> list[str]:
+    """Parameters no unit holds (frozen when the strategy was built: in no optimizer), by name."""
+    held = {id(p) for u in units for p in u.params}
+    return [name for name, p in model.named_parameters() if id(p) not in held]
+
+
+def param_steps(strategy, model) -> dict[str, int]:
+    """{parameter name: its AdamW step count} for the parameters of this rank's ranges: the
+    optimizer keeps state[u.master]["step"] = [P] fp32, one count per parameter of the unit
+    (a 0-d count for all after a version 1 resume; no state before step 1: 0). A rank advances
+    only the counts of parameters that overlap its range (all of them under DDP), so only those
+    are written; every parameter of nonzero size overlaps some rank's."""
+    names, out = param_names(model), {}
+    for u in strategy.units:
+        step = strategy.optimizer.state.get(u.master, {}).get("step")
+        counts = ([0] * len(u.params) if step is None else
+                  [int(step.item())] * len(u.params) if step.dim() == 0 else
+                  [int(c) for c in step.tolist()])
+        lo, hi = u.start, u.start + u.shard_numel
+        for p, off, shape, count in zip(u.params, u.offsets, u.shapes, counts):
+            if off < hi and off + shape.numel() > lo:
+                out[names[id(p)]] = count
+    return out
 
 
 def _extra_state(model, units) -> dict[str, torch.Tensor]:
@@ -114,9 +161,11 @@ def save(strategy, model, root, step: int, meta: dict, *, crash_rank: int | None
     root/latest at it. Collective (every rank calls it; three barriers, no data moves).
 
     Rank r writes rank{r}.pt: its range [Ψ_u/N] of params (run dtype), master, exp_avg,
-    exp_avg_sq (fp32) for every unit, and its RNG state; rank 0 also the replicated state no unit
+    exp_avg_sq (fp32) for every unit, the AdamW step count of each parameter that overlaps its
+    range ("steps", `param_steps`) and its RNG state; rank 0 also the replicated state no unit
     holds (frozen parameters, buffers) and meta.json = `meta` (the run's args, model_config,
-    losses, ...) + format_version, step, stage, world_size, units, files {name: bytes}.
+    losses, ...) + format_version, step, stage, world_size, units, frozen (parameter names),
+    files {name: bytes}.
     crash_rank (tests only): that rank truncates its file and kills itself mid-save.
     Returns the checkpoint folder.
     """
@@ -130,7 +179,7 @@ def save(strategy, model, root, step: int, meta: dict, *, crash_rank: int | None
     shards = {u: {k: t.detach().cpu().clone() for k, t in d.items()}   # a view would save the
               for u, d in strategy.shard_state().items()}               # whole storage behind it
     state = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": n, "step": step,
-             "units": shards, "rng": _rng_state()}
+             "units": shards, "steps": param_steps(strategy, model), "rng": _rng_state()}
     if rank == 0:
         state["extra"] = _extra_state(model, strategy.units)
     with open(tmp / f"rank{rank}.pt", "wb") as f:
@@ -146,7 +195,8 @@ def save(strategy, model, root, step: int, meta: dict, *, crash_rank: int | None
         files = {f"rank{r}.pt": (tmp / f"rank{r}.pt").stat().st_size for r in range(n)}
         full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step,
                      "stage": strategy.stage, "world_size": n,
-                     "units": unit_layout(strategy.units, model), "files": files}
+                     "units": unit_layout(strategy.units, model),
+                     "frozen": frozen_names(model, strategy.units), "files": files}
         write_atomic(tmp / "meta.json", json.dumps(full_meta, indent=1))
         old = root / f".old_{name}"
         if final.exists():                      # the same step saved before: replace it whole
@@ -174,10 +224,33 @@ class Checkpoint:
                 self.index[pname] = (u["name"], offset, shape)
                 offset += _numel(shape)
         self._cached = (None, None)
+        self._steps = None
 
     @property
     def extra(self) -> dict[str, torch.Tensor]:
         return self.ranks[0].get("extra", {})
+
+    @property
+    def optimizer_step(self) -> int:
+        """AdamW's count for a parameter whose own count was not saved (version 1)."""
+        return self.meta.get("optimizer_step", self.step)
+
+    @property
+    def frozen(self) -> list[str]:
+        """The parameters that were in no optimizer (version 1: the saved ones no unit held)."""
+        if "frozen" in self.meta:
+            return list(self.meta["frozen"])
+        return [k for k in self.extra if k not in self.index]
+
+    def param_step(self, name: str) -> int:
+        """The AdamW step count of trainable parameter `name`: its own (version 2, the ranks
+        that held part of it wrote it), else the one count `optimizer_step` of version 1."""
+        if self._steps is None:
+            self._steps = {}
+            for r in self.ranks:
+                for k, v in r.get("steps", {}).items():
+                    self._steps.setdefault(k, int(v))
+        return self._steps.get(name, self.optimizer_step)
 
     def unit_flat(self, unit: str, key: str) -> torch.Tensor:
         """The saved world's padded flat buffer [padded_numel] of `key` for `unit` (the rank
@@ -279,28 +352,54 @@ def apply_resume_args(args, given: set[str], ckpt: Checkpoint) -> list[str]:
 
 def load(strategy, model, ckpt: Checkpoint, precision_dtype: torch.dtype):
     """Put the checkpoint's state into `strategy` (built for this run's world size and stage):
-    each unit's flat buffers are rebuilt from logical tensors and padded for this N; AdamW gets
-    step = ckpt.step. Saved parameters are used when their dtype is the run's, else the fp32
-    master weights are cast (exactly what the step does). Restores this rank's RNG state."""
+    each unit's flat buffers are rebuilt from logical tensors and padded for this N; each
+    parameter gets its own AdamW step count (`Checkpoint.param_step`; version 1: ckpt.step for
+    all). Saved parameters are used when their dtype is the run's, else the fp32 master weights
+    are cast (exactly what the step does). Everything no unit of this run holds (frozen
+    parameters, buffers) takes its saved value: the replicated copy, or the master weights of a
+    parameter trainable when saved and frozen now. A parameter trainable now but frozen when
+    saved starts from its saved value with fresh AdamW state. Restores this rank's RNG state."""
     names = param_names(model)
+    own = model.state_dict(keep_vars=True)      # live tensors (ZeRO-3: no copy needed)
     missing = [names[id(p)] for u in strategy.units for p in u.params
-               if names[id(p)] not in ckpt.index]
+               if names[id(p)] not in ckpt.index and names[id(p)] not in ckpt.extra]
     if missing:
         raise ValueError(f"checkpoint {str(ckpt.folder)!r} has no state for {missing[0]!r}")
     saved_dtype = ckpt.ranks[0]["units"][ckpt.meta["units"][0]["name"]]["params"].dtype
+
+    def logical(name, key):
+        if name in ckpt.index:
+            return ckpt.tensor(name, key)
+        value = ckpt.extra[name]                # frozen when saved: its value, fresh moments
+        return torch.zeros(value.shape) if key in ("exp_avg", "exp_avg_sq") else value
 
     def read(u, key):
         if key == "params" and saved_dtype != precision_dtype:
             key = "master"
         dtype = precision_dtype if key == "params" else torch.float32
-        return u.flatten([ckpt.tensor(names[id(p)], key) for p in u.params], dtype=dtype)
+        return u.flatten([logical(names[id(p)], key) for p in u.params], dtype=dtype)
 
-    strategy.load_state(read, ckpt.meta.get("optimizer_step", ckpt.step))
-    if ckpt.extra:
-        with torch.no_grad():
-            own = model.state_dict(keep_vars=True)      # live tensors (ZeRO-3: no copy needed)
-            for k, v in ckpt.extra.items():
-                own[k].copy_(v)
+    strategy.load_state(read, ckpt.optimizer_step)
+    for u in strategy.units:                    # each parameter's own count (torch keeps one
+        state = strategy.optimizer.state.get(u.master)              # per parameter)
+        counts = [ckpt.param_step(names[id(p)]) if names[id(p)] in ckpt.index else 0
+                  for p in u.params]
+        if state is not None and not any(counts):
+            strategy.optimizer.state.pop(u.master)  # no parameter stepped yet: no state
+        elif state is not None:
+            state["step"] = torch.tensor(counts, dtype=torch.float32)
+        elif any(counts):
+            raise ValueError(f"checkpoint {str(ckpt.folder)!r}: step counts {counts} for unit "
+                             f"{u.name!r} but no optimizer state")
+    held = {id(p) for u in strategy.units for p in u.params}
+    with torch.no_grad():
+        for key, v in own.items():
+            if id(v) in held:
+                continue
+            if key in ckpt.extra:
+                v.copy_(ckpt.extra[key])
+            elif names.get(id(v)) in ckpt.index:     # trainable when saved, frozen now
+                v.copy_(ckpt.tensor(names[id(v)], "master"))
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = ckpt.ranks[rank if rank < len(ckpt.ranks) else 0]["rng"]
     torch.set_rng_state(rng["torch"])
