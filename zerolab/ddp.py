@@ -109,10 +109,8 @@ class DDP:
             for u in self.units:
                 u.param_flat.copy_(u.master)                        # fp32 -> bf16, in place
                 u.master.grad = None
-                u.grad_flat.zero_()
-                u.used = [False] * len(u.params)
-                for p in u.params:                # consumed, as torch's zero_grad() after step
-                    p.grad = None
+                u.grad_flat.zero_()                 # consumed: p.grad reads zeros, as after
+                u.used = [False] * len(u.params)    # torch's zero_grad(set_to_none=False)
         self._sample("step done")
         return norm
 

@@ -136,10 +136,9 @@ class ZeRO1:
             for u in self.units:
                 handles.append(publish_update(self.comm, u))        # own range, all_gather
                 u.master.grad = None
-                u.grad_flat.zero_()
-                u.used, u.averaged = [False] * len(u.params), False
-                for p in u.params:                # consumed, as torch's zero_grad() after step
-                    p.grad = None
+                u.grad_flat.zero_()                 # consumed: p.grad reads zeros, as after
+                u.used, u.averaged = [False] * len(u.params), False   # zero_grad(False)
+                claim_grads(u, u.grad_flat)         # (the placeholders of reduce_scatter go)
             for handle in handles:
                 handle.wait()
         self._sample("step done")
