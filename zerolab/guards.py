@@ -234,19 +234,39 @@ def take_replaced(unit, flat: torch.Tensor):
             p.data = view
 
 
+BROADCAST_BUCKET_BYTES = 250 * 2**20      # torch DDP's broadcast bucket for module states
+
+
 @torch.no_grad()
 def sync_module_states(model: torch.nn.Module, comm):
     """Broadcast rank 0's parameters and buffers to every rank, in place (torch DDP does this at
-    construction): a loop that seeds each rank differently still starts from one model. One
-    broadcast per tensor, recorded in the ledger as phase "setup", what "init"."""
+    construction): a loop that seeds each rank differently still starts from one model. Tensors
+    of one dtype and device travel flattened together, up to BROADCAST_BUCKET_BYTES per
+    broadcast (torch's `_broadcast_coalesced`): one collective for a small model instead of one
+    per tensor. Recorded in the ledger as phase "setup", what "init"."""
     if comm.world_size == 1:
         return
-    seen = set()
+    seen, groups = set(), {}
     for t in (*model.parameters(), *model.buffers()):
         if id(t) in seen or t.numel() == 0 or t.is_meta:
             continue
         seen.add(id(t))
-        comm.broadcast(t.data, 0, what="init", unit="sync_module_states")
+        groups.setdefault((t.dtype, t.device), []).append(t.data)
+    for tensors in groups.values():
+        bucket, size = [], 0
+        for t in [*tensors, None]:
+            full = bucket and t is not None and size + t.nbytes > BROADCAST_BUCKET_BYTES
+            if bucket and (t is None or full):
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                comm.broadcast(flat, 0, what="init", unit="sync_module_states")
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+                bucket, size = [], 0
+            if t is not None:
+                bucket.append(t)
+                size += t.nbytes
 
 
 def check_step(sync: bool, fresh: bool):
