@@ -212,12 +212,15 @@ def adopt_edits(unit, flat: torch.Tensor, master: torch.Tensor, own=None):
     default all) that differs from `master` cast to `flat`'s dtype overwrites the master
     (unchanged elements keep their low fp32 bits)."""
     take_replaced(unit, flat)
-    if flat.is_meta:                    # zerolab.timing.whatif: shapes only, nothing to compare
-        return
-    mine = own(flat) if own is not None else flat
-    changed = mine != master.to(mine.dtype)
-    if changed.any():
-        master[changed] = mine[changed].to(master.dtype)
+    if not flat.is_meta:                # zerolab.timing.whatif: shapes only, nothing to compare
+        take_changed(master, own(flat) if own is not None else flat)
+
+
+def take_changed(master: torch.Tensor, weights: torch.Tensor):
+    """Copy into the fp32 `master` only the elements of `weights` (same range, the run's dtype)
+    that differ from `master` cast to that dtype: untouched ones keep their low fp32 bits."""
+    changed = weights != master.to(weights.dtype)
+    master[changed] = weights[changed].to(master.dtype)
 
 
 def take_replaced(unit, flat: torch.Tensor):

@@ -317,8 +317,7 @@ def keep_own_range(strategy, sharded: bool):
     low fp32 bits) and, ZeRO-3, its bf16 shard."""
     for u in strategy.units:
         own = u.own(u.param_flat) if sharded else u.param_flat
-        changed = own != u.master.to(own.dtype)
-        u.master[changed] = own[changed].float()
+        guards.take_changed(u.master, own)
         if u.param_shard is not None:
             u.param_shard.copy_(own)
 
