@@ -14,8 +14,10 @@ the few modules they stand on, read in this order, each importing only those abo
     memory      measured bytes by category, peaks, allocator cross-check
     ddp, zero1, zero2, zero3   the strategies: __init__ / forward / backward / step
 
-Everything else lives in three wings, sub-folders the lesson never imports, and one door:
+Everything else lives in four wings, sub-folders the lesson never imports, and one door:
 
+    torchlike/  torch's interfaces over the same strategies, for a learner's own model and loop:
+                DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard (FSDP2)
     timing/     the time side: cost model, link and device profiles, link emulator, traces,
                 one rank of a large world (whatif)
     run/        running a training job: every option once (options), the launcher's side
@@ -26,7 +28,8 @@ Everything else lives in three wings, sub-folders the lesson never imports, and 
                 bench, exercises
     cli/        the `zerolab` command (`python -m zerolab`)
 
-Each wing imports only the lesson and the wings listed before it (timing, then run, then course;
+Each wing imports only the lesson and the wings listed before it (timing and torchlike, then
+run, then course;
 the cli imports them all); `import-linter` checks this on every test run (the contracts in
 pyproject.toml).
 `from zerolab import nb` is the notebooks' door to `zerolab.course.nb`, resolved on first use.

@@ -39,29 +39,37 @@ class DDP:
     stage = 0
 
     def __init__(self, model, comm, *, max_grad_norm=0.0, find_unused_parameters=False,
-                 grad_dtype=None, bucket_mb=None, meter=None, **adamw):
+                 grad_dtype=None, bucket_mb=None, meter=None, blocks=None, own_step=True,
+                 **adamw):
         """find_unused_parameters: allow parameters that get no gradient in a step (torch DDP's
         flag; costs one all_reduce of a flag per parameter a step). grad_dtype: dtype of the
         gradient buffers (default: the parameters'; torch.float32 = Megatron's fp32 grads).
         bucket_mb: gradient bucket cap in MiB (2**20 bytes of gradients; torch DDP's
         bucket_cap_mb): consecutive blocks share one all_reduce while their gradients fit
-        (fewer collectives, each starting later in backward); None: one bucket per block."""
+        (fewer collectives, each starting later in backward); None: one bucket per block.
+        blocks: [(name, module)] instead of model.zero_units() (`sharding.module_blocks`).
+        own_step=False: the loop brings its own torch optimizer over the parameters
+        (`zerolab.torchlike.DistributedDataParallel`): no master copy, no AdamW here, step()
+        refused; the parameters keep their own storage, the gradients live in the buckets."""
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
-        self.find_unused = find_unused_parameters
+        self.find_unused, self.own_step = find_unused_parameters, own_step
         sync_module_states(model, comm)                 # rank 0's weights, as torch DDP does
         self.units = build_units(model, comm.world_size, comm.rank,
-                                 bucket_numel(bucket_mb, model, grad_dtype))
+                                 bucket_numel(bucket_mb, model, grad_dtype), blocks)
         for u in self.units:
             # --- params: full bf16 copy on every rank ---------------------------------------
-            u.param_flat = u.flatten()                          # [Ψ_u] bf16, replicated
-            u.bind_params(u.param_flat)
+            if own_step:
+                u.param_flat = u.flatten()                      # [Ψ_u] bf16, replicated
+                u.bind_params(u.param_flat)
             # --- grads: full, replicated; autograd accumulates into the bucket -------------
-            u.grad_flat = torch.zeros_like(u.param_flat, dtype=grad_dtype)  # [Ψ_u] bf16
+            u.grad_flat = torch.zeros(u.padded_numel, dtype=grad_dtype or u.params[0].dtype,
+                                      device=u.params[0].device)  # [Ψ_u] bf16
             u.bind_grads(u.grad_flat)
             # --- optimizer state: full fp32 master (+ exp_avg, exp_avg_sq after step 1) -----
-            u.master = u.param_flat.float().clone()             # [Ψ_u] fp32, replicated
-        self.optimizer = make_flat_optimizer(self.units, sharded=False, **adamw)
+            if own_step:
+                u.master = u.param_flat.float().clone()         # [Ψ_u] fp32, replicated
+        self.optimizer = make_flat_optimizer(self.units, sharded=False, **adamw) if own_step else None
         self.inflight, self.sync, self.fresh = [], True, False
         self.ready = GradReady(self.units, self._grads_ready)
         self.handles = []
@@ -74,18 +82,31 @@ class DDP:
     # --- backward: all_reduce each bucket as soon as its grads are ready ---------------------
     def backward(self, loss, *, sync=True):
         """sync=False on micro-steps before the last (grads accumulate locally, no traffic)."""
+        self.begin_backward(sync)
+        try:
+            loss.backward()
+        finally:
+            self.end_backward()
+
+    def begin_backward(self, sync=True):
+        """Everything before `loss.backward()` (the torchlike wrappers call it from forward)."""
         self.sync, self.fresh = sync, True
         check_trainable(self.model, self.units)
         for u in self.units:                # p.grad: the bucket again (the loop's zero_grad kept)
             claim_grads(u, u.grad_flat)
         self.ready.start()
-        with self.comm.phase("backward"):
-            loss.backward()
+        self.phase_before, self.comm.current_phase = self.comm.current_phase, "backward"
+
+    def end_backward(self):
+        """Everything after `loss.backward()` (the wrappers: autograd's final callback)."""
+        try:
             self.ready.finish()             # units whose params got no gradient: reduce now
             for handle in self.inflight:
                 handle.wait()
             self.inflight.clear()
-        if sync and not self.find_unused:
+        finally:
+            self.comm.current_phase = self.phase_before
+        if self.sync and not self.find_unused:
             check_all_used(self.units, self.comm.rank)
         self._sample("backward done")
 
@@ -96,6 +117,8 @@ class DDP:
 
     # --- step: every rank runs the same AdamW on the full state ------------------------------
     def step(self) -> torch.Tensor:
+        if not self.own_step:
+            raise RuntimeError("this DDP was built with own_step=False: step your own optimizer")
         check_step(self.sync, self.fresh)   # a backward ran since, and reduced the grads
         self.fresh = False
         with self.comm.phase("step"):
@@ -116,6 +139,9 @@ class DDP:
 
     # --- what this rank holds ----------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        if not self.own_step:               # the loop's optimizer holds its own states
+            return {"params": [p for u in self.units for p in u.params],
+                    "grads": [u.grad_flat for u in self.units]}
         masters = [u.master for u in self.units]
         return {"params": [u.param_flat for u in self.units],
                 "grads": [u.grad_flat for u in self.units],

@@ -206,6 +206,42 @@ def claim_shard_grads(unit, open_bucket):
             (unit.grad_views or unit.views(unit.bucket))[i].copy_(g)
 
 
+# --- the loop's own optimizer on ZeRO-3's shards (zerolab.torchlike.fully_shard) ----------
+def claim_loop_grads(u):
+    """own_step=False, before a backward: the loop's gradients of its shard parameters keep
+    torch's meaning when the reduce_scatter adds into them in place (`u.grad_master` is
+    `grad_shard`): None -> that piece starts from zero; the view itself -> kept (accumulating);
+    another tensor the loop assigned -> its values."""
+    if u.grad_master is not u.grad_shard:
+        return
+    for sp, view in zip(u.shard_params, u.shard_views(u.grad_shard)):
+        g = sp.grad
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
+            view.copy_(g)
+
+
+def hand_grads(u):
+    """own_step=False, after a synchronising backward: each shard parameter's .grad is its piece
+    of the averaged gradient shard (a view of `grad_shard` when it has the master's dtype;
+    else `grad_shard` is added into the loop's fp32 gradients `u.grad_master` and cleared,
+    FSDP2's reduce in reduce_dtype then cast)."""
+    if u.grad_master is u.grad_shard:
+        for sp, view in zip(u.shard_params, u.shard_views(u.grad_shard)):
+            sp.grad = view
+        return
+    if u.grad_master is None:
+        u.grad_master = torch.zeros_like(u.master)
+    for sp, view, g in zip(u.shard_params, u.shard_views(u.grad_master),
+                           u.shard_views(u.grad_shard)):
+        if sp.grad is None:
+            sp.grad = view.copy_(g)
+        else:
+            sp.grad.add_(g)
+    u.grad_shard.zero_()
+
+
 def adopt_edits(unit, flat: torch.Tensor, master: torch.Tensor, own=None):
     """Before an update: weights the loop changed since the last one are taken into `master`.
     `take_replaced(unit, flat)` first; then every element of `own(flat)` (this rank's part;
@@ -241,16 +277,17 @@ BROADCAST_BUCKET_BYTES = 250 * 2**20      # torch DDP's broadcast bucket for mod
 
 
 @torch.no_grad()
-def sync_module_states(model: torch.nn.Module, comm):
+def sync_module_states(model: torch.nn.Module, comm, tensors=None):
     """Broadcast rank 0's parameters and buffers to every rank, in place (torch DDP does this at
     construction): a loop that seeds each rank differently still starts from one model. Tensors
     of one dtype and device travel flattened together, up to BROADCAST_BUCKET_BYTES per
     broadcast (torch's `_broadcast_coalesced`): one collective for a small model instead of one
-    per tensor. Recorded in the ledger as phase "setup", what "init"."""
+    per tensor. Recorded in the ledger as phase "setup", what "init". tensors: these instead of
+    all of `model`'s (fully_shard: the parameters and buffers one call manages)."""
     if comm.world_size == 1:
         return
     seen, groups = set(), {}
-    for t in (*model.parameters(), *model.buffers()):
+    for t in (tensors if tensors is not None else (*model.parameters(), *model.buffers())):
         if id(t) in seen or t.numel() == 0 or t.is_meta:
             continue
         seen.add(id(t))

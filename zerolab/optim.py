@@ -76,3 +76,50 @@ def make_flat_optimizer(units, sharded: bool, lr=3e-4, betas=(0.9, 0.95), eps=1e
     return FlatAdamW([u.master for u in units], [u.segments(sharded) for u in units],
                      [u.decay for u in units], lr=lr, betas=betas, eps=eps,
                      weight_decay=weight_decay)
+
+
+# --- any torch optimizer on flat shards: only if its update is element-wise -------------------
+# ZeRO's flat layout gives rank r a contiguous range of a bucket's elements, which may start and
+# end inside a parameter: the optimizer sees pieces of weights. That is exact for an optimizer
+# whose update of each element reads only that element's weight, gradient and state (and the
+# step count): these, as torch implements them (their foreach / fused paths included).
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
+    "ASGD", "Rprop") if hasattr(torch.optim, n))
+# ... and these read a whole tensor (or all of them) to update one element
+WHOLE_TENSOR = {
+    "Adafactor": "its second moment is factored into the row and column means of each 2-D weight",
+    "Muon": "it orthogonalises each 2-D update as a whole matrix (Newton-Schulz)",
+    "LBFGS": "its quasi-Newton step and line search use all parameters at once",
+    "SparseAdam": "it needs sparse gradients of whole embeddings",
+    "Lamb": "its trust ratio divides the norm of each whole weight by that of its update",
+    "LAMB": "its trust ratio divides the norm of each whole weight by that of its update",
+    "Shampoo": "its preconditioners are matrices built from each whole weight's gradient",
+}
+
+
+def check_elementwise(optimizer_class, elementwise=None):
+    """Raise (one line) unless `optimizer_class` can run on flat shards. TypeError: not a
+    torch.optim.Optimizer class. ValueError: a whole-tensor optimizer (WHOLE_TENSOR, by class
+    name anywhere in its MRO: why it is refused), or one zerolab cannot vouch for - not one of
+    ELEMENTWISE, or a subclass that overrides step() - unless elementwise=True says so.
+    elementwise=False refuses any."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class {optimizer_class!r} is not a torch.optim.Optimizer "
+                        "subclass (pass the class, e.g. torch.optim.AdamW, not an instance)")
+    name = optimizer_class.__name__
+    for cls in optimizer_class.__mro__:
+        if cls.__name__ in WHOLE_TENSOR and elementwise is not True:
+            raise ValueError(
+                f"{name} cannot run on ZeRO's flat shards: {WHOLE_TENSOR[cls.__name__]}, and a "
+                "rank holds only a contiguous range of elements that may split a weight; keep "
+                "it unsharded (DDP) or give each rank whole parameters")
+    if elementwise is True:
+        return
+    vouched = any(optimizer_class.step is base.step for base in ELEMENTWISE)
+    if elementwise is False or not vouched:
+        raise ValueError(
+            f"{name}: zerolab cannot tell whether its update is element-wise (each element's "
+            "new value reads only that element's weight, gradient and state); pass "
+            "elementwise=True if it is, or use one of "
+            + ", ".join(c.__name__ for c in ELEMENTWISE))

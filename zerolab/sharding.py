@@ -50,7 +50,7 @@ class FlatUnit:
     """
 
     def __init__(self, name: str, params: list, world_size: int, rank: int, module=None,
-                 names=None):
+                 names=None, layout: str = "flat"):
         self.modules = (list(module) if isinstance(module, (list, tuple))
                         else [] if module is None else [module])
         self.name, self.params, self.module = name, list(params), (self.modules or [None])[-1]
@@ -58,20 +58,38 @@ class FlatUnit:
         self.decay = [decays(p) for p in self.params]      # parameter groups (zerolab.optim)
         self.used = [False] * len(self.params)  # got a gradient in some micro-step of this step
         self.numel = sum(p.numel() for p in self.params)
-        self.start, stop = shard_range(max(self.numel, 1), world_size, rank)
-        self.shard_numel = stop - self.start
-        self.padded_numel = self.shard_numel * world_size
+        if layout not in ("flat", "dim0"):
+            raise ValueError(f"layout {layout!r} is not one of 'flat', 'dim0'")
+        self.layout, self.world_size, self.rank = layout, world_size, rank
         self.offsets, offset = [], 0
         self.shapes = [p.shape for p in self.params]   # kept: ZeRO-3 empties params at rest
         for p in self.params:
             self.offsets.append(offset)
             offset += p.numel()
+        if layout == "flat":
+            self.start, stop = shard_range(max(self.numel, 1), world_size, rank)
+            self.shard_numel = stop - self.start
+        else:                   # each parameter's rows split N ways, padded to equal row counts
+            self.rows = [s[0] if len(s) else 1 for s in self.shapes]
+            self.cols = [s.numel() // r if r else 0 for s, r in zip(self.shapes, self.rows)]
+            self.row_shard = [math.ceil(r / world_size) for r in self.rows]
+            self.packed_offsets, off = [], 0
+            for rs, c in zip(self.row_shard, self.cols):
+                self.packed_offsets.append(off)
+                off += rs * c
+            self.shard_numel = max(off, 1)
+            self.start = rank * self.shard_numel
+        self.padded_numel = self.shard_numel * world_size
+        self.swap = []              # fully_shard: (module, attr, full param, shard param)
+        self.shard_params = None    # fully_shard: the loop's nn.Parameter per parameter
+        self.unsharded = None       # dim0 while gathered: the parameters' own (natural) buffer
         # filled by the strategies
         self.param_flat = self.param_shard = self.grad_flat = self.grad_shard = None
         self.master = None
         self.bucket = None          # transient full-gradient buffer (ZeRO-2/3)
         self.grad_views = None      # set by bind_grads when the buffer's dtype is not the params'
         self.rs_out = None          # a reduce_scatter's output while in flight (ZeRO-2/3)
+        self.packed_grad = None     # layout "dim0": the packed bucket while in flight
 
     # --- flat <-> per-parameter views -------------------------------------------------------
     def flatten(self, tensors=None, dtype=None) -> torch.Tensor:
@@ -89,9 +107,20 @@ class FlatUnit:
                 for shape, off in zip(self.shapes, self.offsets)]
 
     def bind_params(self, flat: torch.Tensor):
-        """Make every parameter's data a view of `flat`, so writes to `flat` update the model."""
+        """Make every parameter's data a view of `flat`, so writes to `flat` update the model.
+        layout "dim0": `flat` is the gathered rank-major buffer; its rows are copied out into
+        the parameters' own buffer `unsharded` (FSDP2's copy-out) and `flat` is freed."""
+        if self.layout == "dim0":
+            if self.unsharded is None:
+                self.unsharded = torch.empty_like(flat)
+            alloc_storage(self.unsharded)
+            self.unpack(flat, self.unsharded)
+            free_storage(flat)
+            flat = self.unsharded
         for p, view in zip(self.params, self.views(flat)):
             guards.unshard_param(p, view)
+        for module, attr, full, _ in self.swap:     # the module computes with the full params
+            module._parameters[attr] = full
 
     def bind_grads(self, flat: torch.Tensor):
         """Make every parameter's .grad a view of `flat`: autograd accumulates straight into it.
@@ -114,37 +143,104 @@ class FlatUnit:
         changing its values raises `guards.ShardedValues` with `why` and the parameter's name."""
         for name, p, shape in zip(self.names, self.params, self.shapes):
             guards.shard_param(p, shape, f"{name}: {why}")
+        if self.unsharded is not None:
+            free_storage(self.unsharded)
+        for module, attr, _, shard in self.swap:    # the loop sees this rank's shards again
+            module._parameters[attr] = shard
+
+    # --- layout "dim0" (FSDP2's): rank r holds rows [r*R_i, (r+1)*R_i) of every parameter i ----
+    def _row_copies(self):
+        # (packed start, natural start, numel) of every piece: parameter i's rows on rank r
+        for i, (rs, c, rows, off) in enumerate(zip(self.row_shard, self.cols, self.rows,
+                                                   self.offsets)):
+            for r in range(self.world_size):
+                real = min(max(rows - r * rs, 0), rs)
+                if real:
+                    yield r, r * self.shard_numel + self.packed_offsets[i], off + r * rs * c, real * c
+
+    def pack(self, flat: torch.Tensor) -> torch.Tensor:
+        """Natural [padded_numel] (parameters end to end) -> the rank-major buffer the
+        collectives use: `flat` itself in layout "flat"; a new buffer (rank r's rows of every
+        parameter together, padding rows zero: FSDP2's copy-in) in layout "dim0"."""
+        if self.layout == "flat":
+            return flat
+        out = torch.zeros_like(flat)
+        for _, dst, src, k in self._row_copies():
+            out[dst:dst + k].copy_(flat[src:src + k])
+        return out
+
+    def unpack(self, packed: torch.Tensor, out: torch.Tensor):
+        """The inverse of `pack`: copy the rank-major `packed` into natural `out`."""
+        for _, src, dst, k in self._row_copies():
+            out[dst:dst + k].copy_(packed[src:src + k])
+
+    def shard_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a [shard_numel] buffer shaped like each parameter's piece (`shard_shapes`)."""
+        return [shard[lo:max(lo, hi)].view(shape)
+                for (lo, hi), shape in zip(self.segments(sharded=True), self.shard_shapes())]
+
+    def shard_shapes(self) -> list[tuple]:
+        """Shape of each parameter's piece in this rank's shard: rows x the rest (layout "dim0",
+        FSDP2's local shard; the last ranks may hold fewer rows, or none), or 1-D (layout
+        "flat", the piece of the flat range; FSDP1's use_orig_params views)."""
+        if self.layout == "flat":
+            return [(max(hi - lo, 0),) for lo, hi in self.segments(sharded=True)]
+        return [(min(max(rows - self.rank * rs, 0), rs), *shape[1:])
+                for rows, rs, shape in zip(self.rows, self.row_shard, self.shapes)]
 
     def segments(self, sharded: bool) -> list[tuple[int, int]]:
         """(lo, hi) of each parameter inside this rank's master buffer: the whole flat buffer
         (sharded=False, DDP) or this rank's range of it (hi <= lo: not in this shard)."""
+        if sharded and self.layout == "dim0":
+            return [(o, o + math.prod(s)) for o, s in zip(self.packed_offsets, self.shard_shapes())]
         base, size = (self.start, self.shard_numel) if sharded else (0, self.padded_numel)
         return [(min(max(off - base, 0), size), min(max(off + shape.numel() - base, 0), size))
                 for shape, off in zip(self.shapes, self.offsets)]
 
     def own(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous range of `flat` [padded_numel] -> view [shard_numel]."""
+        """This rank's contiguous range of `flat` [padded_numel] -> view [shard_numel].
+        Layout "dim0": this rank's rows of a natural `flat`, packed (a copy)."""
+        if self.layout == "dim0":
+            out = torch.zeros(self.shard_numel, dtype=flat.dtype, device=flat.device)
+            for r, dst, src, k in self._row_copies():
+                if r == self.rank:
+                    out[dst - self.start:dst - self.start + k].copy_(flat[src:src + k])
+            return out
         return flat[self.start:self.start + self.shard_numel]
 
     def padding_in_shard(self) -> int:
-        """Padding elements inside this rank's range (only the last ranks hold any)."""
+        """Padding elements inside this rank's range (layout "flat": only the last ranks hold
+        any; "dim0": every parameter whose rows do not split evenly pads the last ranks)."""
+        if self.layout == "dim0":
+            return self.shard_numel - sum(math.prod(s) for s in self.shard_shapes())
         end = self.start + self.shard_numel
         return max(0, end - max(self.start, self.numel))
 
 
 def build_units(model: torch.nn.Module, world_size: int, rank: int,
-                bucket_numel: int | None = None) -> list[FlatUnit]:
+                bucket_numel: int | None = None, blocks=None, layout: str = "flat") -> list[FlatUnit]:
     """Split `model`'s trainable parameters into FlatUnits: the root unit first, then one per
-    module of `model.zero_units()` in forward order. Frozen parameters are left out (they stay
-    replicated and untouched). Tied parameters appear once (in the root unit).
+    block in forward order. Blocks: `blocks` (a list of (name, module)), else
+    `model.zero_units()`, else none (one root unit); `module_blocks(model)` finds them in any
+    model's own structure. A parameter belongs to the innermost block that holds it (FSDP2's
+    rule for nested fully_shard); one held by two blocks neither inside the other (a tied
+    embedding and head) goes to the root unit. Frozen parameters are left out (they stay
+    replicated and untouched). Tied parameters appear once.
     bucket_numel: merge consecutive blocks into one unit while it holds <= bucket_numel
     elements (a larger block stays alone; the root is never merged; `theory.bucket_groups`),
-    named "block.0-2"; None: one unit per block."""
-    named_units = list(model.zero_units()) if hasattr(model, "zero_units") else []
+    named "block.0-2"; None: one unit per block. layout: "flat" or "dim0" (`FlatUnit`)."""
+    if blocks is None:
+        blocks = list(model.zero_units()) if hasattr(model, "zero_units") else []
+    named_units = list(blocks)
+    inner = {name: {id(m) for m in module.modules()} for name, module in named_units}
     owners: dict[int, list[str]] = {}
     for name, module in named_units:
         for p in module.parameters():
             owners.setdefault(id(p), []).append(name)
+    modules = dict(named_units)
+    for key, names in owners.items():   # innermost wins: drop owners that contain another one
+        owners[key] = [a for a in names if not any(
+            b != a and id(modules[b]) in inner[a] for b in names)]
     seen, root, per_unit = set(), [], {name: [] for name, _ in named_units}
     for pname, p in model.named_parameters():   # deduplicated: a tied weight appears once
         if not p.requires_grad or id(p) in seen:
@@ -153,7 +249,7 @@ def build_units(model: torch.nn.Module, world_size: int, rank: int,
         names = owners.get(id(p), [])
         (per_unit[names[0]] if len(names) == 1 else root).append((pname, p))
     units = [FlatUnit(ROOT, [p for _, p in root], world_size, rank,
-                      names=[n for n, _ in root])] if root else []
+                      names=[n for n, _ in root], layout=layout)] if root else []
     blocks = [(name, module) for name, module in named_units if per_unit[name]]
     numels = [sum(p.numel() for _, p in per_unit[name]) for name, _ in blocks]
     for idx in theory.bucket_groups(numels, bucket_numel):
@@ -162,8 +258,17 @@ def build_units(model: torch.nn.Module, world_size: int, rank: int,
         units.append(FlatUnit(theory.bucket_name([name for name, _ in group]),
                               [p for _, p in named], world_size, rank,
                               [m for _, m in group] if len(group) > 1 else group[0][1],
-                              names=[n for n, _ in named]))
+                              names=[n for n, _ in named], layout=layout))
     return units
+
+
+def module_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Blocks read from any model's own structure, for `build_units` when it has no
+    `zero_units()`: every submodule that directly holds a trainable parameter (a Linear, an
+    Embedding, a LayerNorm, ...), in registration order - the order of `model.parameters()`,
+    which torch DDP also takes as the forward order for its buckets."""
+    return [(name, m) for name, m in model.named_modules()
+            if m is not model and any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
 def bucket_numel(bucket_mb: float | None, model: torch.nn.Module, grad_dtype=None) -> int | None:
@@ -187,7 +292,7 @@ def decays(p: torch.Tensor) -> bool:
 def check_trainable(model: torch.nn.Module, units: list[FlatUnit]):
     """Raise RuntimeError naming a parameter that requires grad but has no flat buffer: it was
     frozen when the strategy was built, so no strategy would ever update it (torch would)."""
-    known = {id(p) for u in units for p in u.params}
+    known = {id(p) for u in units for p in (*u.params, *(u.shard_params or ()))}
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in known:
             raise RuntimeError(f"parameter {name} requires grad but was frozen when the strategy "
@@ -294,7 +399,7 @@ def storage_bytes(tensors) -> int:
 
 def optimizer_states(optimizer, masters) -> dict[str, list[torch.Tensor]]:
     """{"master_weights", "exp_avg", "exp_avg_sq"} tensors of `optimizer` (empty before step 1)."""
-    state = [optimizer.state.get(m, {}) for m in masters]
+    state = [optimizer.state.get(m, {}) for m in masters] if optimizer is not None else []
     return {"master_weights": list(masters),
             "exp_avg": [s["exp_avg"] for s in state if "exp_avg" in s],
             "exp_avg_sq": [s["exp_avg_sq"] for s in state if "exp_avg_sq" in s]}

@@ -22,8 +22,8 @@ import contextlib
 import torch
 
 from .guards import (ShardedGrad, agree, check_edits, check_step, claim_grads,
-                     claim_shard_grads, fingerprint, is_placeholder, shard_grads,
-                     sync_module_states, take_replaced)
+                     claim_loop_grads, claim_shard_grads, fingerprint, hand_grads,
+                     is_placeholder, shard_grads, sync_module_states, take_replaced)
 from .optim import make_flat_optimizer
 from .sharding import (GradReady, adam_state, alloc_storage, build_units, check_all_used,
                        check_trainable, clip_grad_norm_, fp32_grads, free_storage, global_used,
@@ -57,11 +57,33 @@ def free_params(unit):
 DEFAULT_PREFETCH = 1
 
 
+def shard_unit(u, grad_dtype=None, param_dtype=None, own_step=True):
+    """Set up one unit's ZeRO-3 state, then make its parameters placeholders: param_shard
+    [Ψ_u/N] (param_dtype, default the params'), grad_shard (grad_dtype), master (fp32; with
+    own_step=False the params' dtype, aliased by param_shard and grad_shard when dtypes agree)."""
+    full = u.flatten()                                          # [Ψ_u] the params' dtype
+    u.param_flat = full.to(param_dtype) if param_dtype else full    # [Ψ_u] bf16, transient
+    if own_step:
+        u.param_shard = u.own(u.param_flat).clone()             # [Ψ_u/N] bf16, resident
+        u.master = u.param_shard.float().clone()                # [Ψ_u/N] fp32 master shard
+    else:
+        u.master = u.own(full).clone()                          # [Ψ_u/N] the loop's shard
+        same = u.master.dtype == u.param_flat.dtype
+        u.param_shard = u.master if same else u.master.to(u.param_flat.dtype)
+    u.grad_shard = torch.zeros_like(u.param_shard, dtype=grad_dtype)   # [Ψ_u/N] bf16
+    if not own_step:                        # the loop's p.grad: views of grad_shard, or fp32
+        u.grad_master = u.grad_shard if u.grad_shard.dtype == u.master.dtype else None
+    u.unbind_params(SHARDED)
+    free_storage(u.param_flat)
+
+
 class ZeRO3:
     stage = 3
 
     def __init__(self, model, comm, *, prefetch=DEFAULT_PREFETCH, keep_root=False, max_grad_norm=0.0,
-                 find_unused_parameters=False, grad_dtype=None, meter=None, **adamw):
+                 find_unused_parameters=False, grad_dtype=None, meter=None, blocks=None,
+                 layout="flat", own_step=True, reshard_after_forward=True, param_dtype=None,
+                 units=None, **adamw):
         """prefetch=1 (the default, DEFAULT_PREFETCH; True means 1) issues the next block's
         all_gather (forward order in forward, reverse in backward) as soon as the current block
         is gathered, so it can overlap the current block's compute; the price is a second
@@ -76,29 +98,29 @@ class ZeRO3:
         again by its pre-backward hook (once per pass, however often it is called); its forward
         calls are counted and its post-backward hook counts them down, so a block called in two
         forwards before one backward is reduced after both; the root unit is gathered by the
-        model's own forward hooks, so `model(x, y)` under torch.no_grad() works between steps."""
+        model's own forward hooks, so `model(x, y)` under torch.no_grad() works between steps.
+        blocks: [(name, module)] instead of model.zero_units(). layout: "flat" (DeepSpeed's) or
+        "dim0" (FSDP2's; `FlatUnit`). reshard_after_forward=False: blocks stay gathered from
+        forward into backward (SHARD_GRAD_OP). own_step=False: the loop's optimizer steps the
+        shards `u.master` itself (`zerolab.torchlike.fully_shard`, which passes `units` set up
+        by `shard_unit`); param_dtype: the dtype gathered and computed in; step() refused."""
         if isinstance(prefetch, bool):
             prefetch = int(prefetch)
         if not isinstance(prefetch, int) or prefetch < -1:
             raise ValueError(f"prefetch {prefetch!r} must be a bool, a depth >= 0, or -1 (all)")
-        self.keep_root = keep_root
+        self.keep_root, self.own_step, self.reshard = keep_root, own_step, reshard_after_forward
         self.model, self.comm, self.meter, self.prefetch = model, comm, meter, prefetch
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
         self.handles, self.pinned, self.sync, self.fresh = [], False, True, False
-        sync_module_states(model, comm)                 # rank 0's weights, as FSDP does
-        self.units = build_units(model, comm.world_size, comm.rank)
+        if units is None:
+            sync_module_states(model, comm)             # rank 0's weights, as FSDP does
+            units = build_units(model, comm.world_size, comm.rank, blocks=blocks, layout=layout)
+            for u in units:
+                shard_unit(u, grad_dtype, param_dtype, own_step)
+        self.units = units
         for u in self.units:
-            # --- params: this rank's range; the full buffer exists only while gathered -----
-            u.param_flat = u.flatten()                          # [Ψ_u] bf16, transient
-            u.param_shard = u.own(u.param_flat).clone()         # [Ψ_u/N] bf16, resident
-            u.unbind_params(SHARDED)
-            free_storage(u.param_flat)
             u.gathered, u.pending, u.bw_gathered = False, 0, False
-            # --- grads: only this rank's range, averaged; full grads live in a bucket -------
-            u.grad_shard = torch.zeros_like(u.param_shard, dtype=grad_dtype)   # [Ψ_u/N] bf16
-            # --- optimizer state: this rank's range only -----------------------------------
-            u.master = u.param_shard.float().clone()            # [Ψ_u/N] fp32 master shard
             if u.module is not None:
                 self.handles += [
                     u.module.register_forward_pre_hook(
@@ -108,9 +130,10 @@ class ZeRO3:
         self.handles += [model.register_forward_pre_hook(lambda *_: self._root_pre_forward()),
                          model.register_forward_hook(lambda *_: self._root_post_forward())]
         for m in (model, *(u.module for u in self.units if u.module is not None)):
-            self.handles += [m.register_state_dict_pre_hook(self._check_gathered),
-                             m.register_load_state_dict_pre_hook(self._check_gathered_load)]
-        self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
+            if own_step:                    # (fully_shard: state_dict() holds the loop's shards)
+                self.handles += [m.register_state_dict_pre_hook(self._check_gathered),
+                                 m.register_load_state_dict_pre_hook(self._check_gathered_load)]
+        self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw) if own_step else None
         self.inflight = []
         self.root = [u for u in self.units if u.module is None]
         self.blocks = [u for u in self.units if u.module is not None]     # forward order
@@ -126,6 +149,7 @@ class ZeRO3:
             self.prefetched.pop(u.name).wait()
         else:
             self._check_untouched(u)
+            self._refresh(u)
             gather_params(self.comm, u)
         u.bind_params(u.param_flat)
         u.gathered = True
@@ -136,9 +160,15 @@ class ZeRO3:
             for nxt in order[k + 1:] if depth < 0 else order[k + 1:k + 1 + depth]:
                 if nxt.name not in self.prefetched and not nxt.gathered:
                     self._check_untouched(nxt)
+                    self._refresh(nxt)
                     alloc_storage(nxt.param_flat)
                     self.prefetched[nxt.name] = self.comm.all_gather(
                         nxt.param_flat, nxt.param_shard, what="params", unit=nxt.name, async_op=True)
+
+    def _refresh(self, u):
+        # own_step=False: the loop's optimizer changed the master shard; gather it in param_dtype
+        if u.param_shard is not u.master and not self.own_step:
+            u.param_shard.copy_(u.master)
 
     def _check_untouched(self, u):
         # `p.data = t` on a sharded parameter: its values would be overwritten by the gather
@@ -195,7 +225,9 @@ class ZeRO3:
         return on_post_backward(args, lambda: self._post_backward(u))
 
     def _post_forward(self, u):
-        if self.comm.current_phase != "backward":   # recomputed in backward: its backward frees it
+        if self.comm.current_phase == "backward":   # recomputed in backward: its backward frees it
+            return
+        if getattr(u, "reshard", self.reshard) or not torch.is_grad_enabled():
             self._free(u)
 
     def _root_post_forward(self):
@@ -218,33 +250,54 @@ class ZeRO3:
         the same micro-steps: ranks that disagree on `sync` (uneven micro-steps), or that issued
         different all_gathers since the last backward (blocks called in a rank-dependent order),
         raise RuntimeError on every rank (one all_reduce of 4 int64 a backward checks it)."""
+        self.begin_backward(sync)
+        try:
+            loss.backward()
+        finally:
+            self.end_backward()
+
+    def begin_backward(self, sync=True):
+        """Everything before `loss.backward()` (fully_shard calls it when the gradient of the
+        model's output arrives: FSDP2's root pre-backward hook)."""
         self.agreed = agree(self.comm, sync, self.agreed, self.units[0].master.device)
         self.sync = sync
         self.fresh = True
         check_trainable(self.model, self.units)
         self.ready.start()
-        with self.comm.phase("backward"):
+        self.phase_before, self.comm.current_phase = self.comm.current_phase, "backward"
+        if not self.own_step:
             for u in self.units:
-                u.bw_gathered = False
-                if u.bucket is not None:    # p.grad as the loop left it: accumulating
-                    claim_grads(u, u.bucket)
-                else:                       # ... or after a synchronising backward / a step
-                    claim_shard_grads(u, self._open_bucket)
-            for u in self.root:
-                self._gather(u)
-                u.bw_gathered = True
-                self._open_bucket(u)
-            loss.backward()
+                claim_loop_grads(u)
+        for u in self.units:
+            u.bw_gathered = False
+            if u.bucket is not None:        # p.grad as the loop left it: accumulating
+                claim_grads(u, u.bucket)
+            else:                           # ... or after a synchronising backward / a step
+                claim_shard_grads(u, self._open_bucket)
+        for u in self.root:
+            self._gather(u)
+            u.bw_gathered = True
+            self._open_bucket(u)
+
+    def end_backward(self):
+        """Everything after `loss.backward()` (fully_shard: autograd's final callback)."""
+        try:
             self.ready.finish()             # units whose params got no gradient: reduce now
             while self.inflight:
                 self.inflight.pop(0).wait()
             self._drain_prefetch()
             for u in self.units:
                 u.pending = 0
-        if sync and not self.find_unused:
+                self._free(u)               # held since forward, backward never reached it
+        finally:
+            self.comm.current_phase = self.phase_before
+        if self.sync and not self.find_unused:
             check_all_used(self.units, self.comm.rank)
-        if sync:                            # the averaged gradient lives in shards only
+        if self.sync:                       # the averaged gradient lives in shards only
             shard_grads(self.units, "ZeRO-3")
+            if not self.own_step:
+                for u in self.units:
+                    hand_grads(u)
         self._sample("backward done")
 
     def _post_backward(self, u):
@@ -259,7 +312,8 @@ class ZeRO3:
     def _open_bucket(self, u):
         if u.bucket is not None:            # open already (accumulating, or a second graph)
             return
-        u.bucket = torch.zeros_like(u.param_flat, dtype=self.grad_dtype)  # [Ψ_u] bf16, transient
+        u.bucket = torch.zeros_like(u.param_flat, dtype=getattr(u, "grad_dtype", None)
+                                    or self.grad_dtype)         # [Ψ_u] bf16, transient
         u.bind_grads(u.bucket)
         self._sample(f"bucket {u.name}")
 
@@ -274,12 +328,13 @@ class ZeRO3:
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
         out = u.rs_out = torch.empty_like(u.grad_shard)       # [Ψ_u/N] bf16, in flight
-        handle = self.comm.reduce_scatter(out, u.bucket, what="grads", unit=u.name,
+        u.packed_grad = u.pack(u.bucket)    # layout "dim0": rank r's rows together (a copy)
+        handle = self.comm.reduce_scatter(out, u.packed_grad, what="grads", unit=u.name,
                                           async_op=True)
 
         def done(u=u, out=out):
             u.grad_shard.add_(out.div_(self.n))                # accumulate the averaged shard
-            u.bucket = u.grad_views = u.rs_out = None          # free the full-gradient bucket
+            u.bucket = u.grad_views = u.rs_out = u.packed_grad = None   # free the buckets
             for p in u.params:
                 p.grad = None
         handle.on_done = done
@@ -288,6 +343,8 @@ class ZeRO3:
 
     # --- step: update the owned range; nothing to gather, nobody keeps full weights -----------
     def step(self) -> torch.Tensor:
+        if not self.own_step:
+            raise RuntimeError("built with own_step=False: step your own optimizer on the shards")
         check_step(self.sync, self.fresh)   # a backward ran since, and reduced the grads
         self.fresh = False
         with self.comm.phase("step"):
@@ -314,8 +371,8 @@ class ZeRO3:
         masters = [u.master for u in self.units]
         return {"params": [u.param_shard for u in self.units],
                 "grads": [u.grad_shard for u in self.units],
-                "gathered_params": [u.param_flat for u in self.units],
-                "grad_buckets": [u.bucket for u in self.units] + [
+                "gathered_params": [t for u in self.units for t in (u.param_flat, u.unsharded)],
+                "grad_buckets": [t for u in self.units for t in (u.bucket, u.packed_grad)] + [
                     p.grad for u in self.units for p in u.params
                     if type(p.grad) is not ShardedGrad],
                 "reduce_scatter_out": [u.rs_out for u in self.units],

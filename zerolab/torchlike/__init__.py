@@ -1,0 +1,33 @@
+"""torch's own interfaces over zerolab's strategies: bring your own model, loop and optimizer.
+
+A learner who has read the notebooks writes training code the way PyTorch users do - a module
+wrapped once, `loss.backward()`, any torch optimizer over the parameters, `zero_grad()`,
+`step()`. These wrappers give that code zerolab's hand-written stages underneath (the same
+`zerolab.ddp`, `zerolab.zero1`, `zerolab.zero3` mechanics, not a second copy), with every
+collective in the ledger `wrapper.comm.records` and every byte countable (`held_bytes`):
+
+    torch                                              zerolab.torchlike            stage
+    torch.nn.parallel.DistributedDataParallel          DistributedDataParallel      DDP (0)
+    torch.distributed.optim.ZeroRedundancyOptimizer    ZeroRedundancyOptimizer      ZeRO-1
+    torch.distributed.fsdp.fully_shard (FSDP2)         fully_shard                  ZeRO-3
+    FSDP2 reshard_after_forward=False                  fully_shard(..., False)      ZeRO-2's
+                                                                                    weights
+    torch.distributed.fsdp.MixedPrecisionPolicy         MixedPrecisionPolicy
+
+DeepSpeed's names for the same: `zero_optimization.stage` 1 / 2 / 3, `reduce_bucket_size`
+(bucket_cap_mb), `stage3_prefetch_bucket_size` (prefetch), `GatheredParameters`
+(`strategy.gathered`). notebooks/08_fsdp.ipynb maps them one by one.
+
+Where they differ from torch, on purpose (each in its class's docstring): ZeroRedundancyOptimizer
+splits the flat elements of each parameter group N ways (ZeRO's layout) where torch gives whole
+parameters to ranks, so it runs only optimizers whose update is element-wise and refuses the
+others in one line (`zerolab.optim.check_elementwise`); fully_shard keeps frozen parameters
+replicated (FSDP2 shards them too).
+"""
+from .ddp import DistributedDataParallel
+from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from .held import held_bytes
+from .zero_optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "fully_shard",
+           "MixedPrecisionPolicy", "FSDPModule", "held_bytes"]

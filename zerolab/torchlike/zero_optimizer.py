@@ -1,0 +1,111 @@
+"""`ZeroRedundancyOptimizer`: torch's sharded-optimizer interface over zerolab's ZeRO-1 update.
+
+    model = DistributedDataParallel(module)                       # averages the gradients
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Each parameter group's parameters become views of one flat buffer (torch's
+parameters_as_bucket_view=True), padded to a multiple of N; rank r keeps the optimizer state of
+its own contiguous range of it (`sharding.shard_range`) and updates only that range with the
+loop's optimizer class run on the range's per-parameter pieces; `zero1.publish_update` then
+all_gathers every rank's range into the buffer - ZeRO-1's step, exactly. torch's class instead
+gives whole parameters to ranks (greedily by size) and broadcasts each: uneven when one tensor
+dominates, but any optimizer runs. Here only element-wise optimizers run (`optim.check_elementwise`
+refuses the others in one line, saying why).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..optim import check_elementwise
+from ..sharding import FlatUnit
+from ..zero1 import publish_update
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """torch.distributed.optim.ZeroRedundancyOptimizer's interface (the reference).
+
+    params: an iterable of tensors or of parameter-group dicts (each group's own lr,
+    weight_decay, ... honoured). optimizer_class: a torch.optim.Optimizer class whose update is
+    element-wise (SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, NAdam, RAdam, ASGD,
+    Rprop; elementwise=True vouches for another). **defaults: its keyword arguments.
+    process_group / comm: as DistributedDataParallel. Gradients must already be averaged over
+    the ranks (a DDP wrapper does it). step(): this rank's range of every group updated (the
+    loop's optimizer on per-parameter pieces of it, fp32 masters for low-precision weights),
+    then one all_gather per group (ledger: what "params", phase "step"). Parameters whose grad
+    is None are skipped, as torch skips them. Attributes: optim (this rank's optimizer over its
+    pieces), units (the flat groups), comm.
+    Raises TypeError / ValueError (one line) for a class that is not an optimizer or whose update
+    reads whole tensors (Adafactor, Muon, LBFGS, ...)."""
+
+    def __init__(self, params, optimizer_class, process_group=None, *, comm=None,
+                 elementwise=None, **defaults):
+        check_elementwise(optimizer_class, elementwise)
+        super().__init__(params, defaults)
+        self.comm = comm if comm is not None else Comm(process_group)
+        self.optimizer_class, self.units, inner = optimizer_class, [], []
+        n, rank = self.comm.world_size, self.comm.rank
+        for k, group in enumerate(self.param_groups):
+            u = FlatUnit(f"group{k}", group["params"], n, rank,
+                         names=[f"group{k}[{i}]" for i in range(len(group["params"]))])
+            u.param_flat = u.flatten()                          # [Ψ_g] replicated
+            u.bind_params(u.param_flat)
+            own = u.own(u.param_flat)                           # [Ψ_g/N] this rank's range
+            u.master = own if own.dtype == torch.float32 else own.float().clone()
+            u.pieces = [torch.nn.Parameter(v) if v.numel() else None
+                        for v in u.shard_views(u.master)]       # what the optimizer steps
+            u.grad_master = torch.zeros_like(u.master)
+            self.units.append(u)
+            hyper = {key: v for key, v in group.items() if key != "params"}
+            inner.append({"params": [p for p in u.pieces if p is not None], **hyper})
+        inner = [g for g in inner if g["params"]]
+        self.optim = optimizer_class(inner, **defaults) if inner else None
+        self._inner_groups = [k for k, u in enumerate(self.units)
+                              if any(p is not None for p in u.pieces)]
+
+    def add_param_group(self, param_group):
+        if getattr(self, "units", None) is not None:
+            raise RuntimeError("ZeroRedundancyOptimizer: add_param_group after construction is not "
+                               "supported (the flat groups are laid out once)")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter with a gradient (torch semantics); returns closure()."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.optim is not None:
+            for k, g in zip(self._inner_groups, self.optim.param_groups):   # lr schedulers
+                g.update({key: v for key, v in self.param_groups[k].items() if key != "params"})
+        with self.comm.phase("step"):
+            for u in self.units:
+                for p, off, piece, gview, (lo, hi) in zip(u.params, u.offsets, u.pieces,
+                                                          u.shard_views(u.grad_master),
+                                                          u.segments(sharded=True)):
+                    if piece is None:
+                        continue
+                    if p.grad is None:              # torch skips it: no update, no state
+                        piece.grad = None
+                        continue
+                    first = max(u.start - off, 0)       # where this rank's piece begins
+                    gview.copy_(p.grad.reshape(-1)[first:first + (hi - lo)])
+                    piece.grad = gview
+            if self.optim is not None:
+                self.optim.step()
+            handles = [publish_update(self.comm, u) for u in self.units]  # own range -> all
+            for h in handles:
+                h.wait()
+        return loss
+
+    def state_dict(self):
+        """This rank's optimizer state (its pieces only), as torch's Optimizer.state_dict of
+        `optim`; torch's class consolidates to one rank first (consolidate_state_dict)."""
+        return self.optim.state_dict() if self.optim is not None else {}
+
+    def load_state_dict(self, state_dict):
+        """Load what `state_dict()` returned on this rank (same world size and groups)."""
+        if self.optim is not None:
+            self.optim.load_state_dict(state_dict)
