@@ -36,6 +36,17 @@ def test_bad_lab_parameter_is_one_line_naming_it(params, named):
     assert named in message and "\n" not in message
 
 
+def test_lab7_model_parameter_is_one_line_naming_it():
+    """Lab 7's own parameter: a model its demo does not have stops the lab in one line."""
+    from zerolab.course import wrappers
+    assert wrappers.check_model("cnn") == "cnn"
+    for bad in ("resnet50", None, ["cnn"]):
+        with pytest.raises(LabParameterError) as err:
+            wrappers.check_model(bad)
+        assert repr(bad) in str(err.value) and "transformer" in str(err.value)
+        assert "\n" not in str(err.value)
+
+
 def test_good_lab_parameters_resolve_to_cpu_gloo_without_gpus():
     p = check_parameters(nproc="auto", stages=[0, 3], preset="nano", steps=2, gpus=0)
     assert (p.nproc, p.backend, p.device, p.stage_list) == (2, "gloo", "cpu", [0, 3])

@@ -147,17 +147,72 @@ def test_lab6_reference_keeps_step_times_and_the_link_floor(tmp_path):
         nb.use_reference(False)
 
 
-def test_zerolab_labs_reference_runs_labs_5_and_6(tmp_path):
-    """`zerolab labs --reference` executes the two labs that read more than rank JSONs (lab 5:
-    parameter differences, lab 6: timings and a trace) without launching, and both pass."""
+def test_lab7_reference_is_its_demo_run_and_equals_the_formulas(tmp_path):
+    """Lab 7 launches a demo (zerolab.course.demos.byom), not zerolab.run.train: its reference
+    keeps the demo's rank JSONs, `nb.launch_demo` copies them into any out folder (replacing rank
+    files an earlier run left there) and every byte held and sent equals formula + padding +
+    frozen (the lab's own checks)."""
+    from zerolab import nb
+    from zerolab.course import wrappers
+    out = tmp_path / "runs" / "labs" / "lab7_bring_your_own_model" / "transformer"
+    out.mkdir(parents=True)
+    (out / "rank5.json").write_text("{}")            # left by an earlier run with more ranks
+    printed = []
+    nb.use_reference()
+    try:
+        ranks = nb.launch_demo("zerolab.course.demos.byom", [], out=out, nproc=2,
+                               echo=printed.append)
+        with pytest.raises(FileNotFoundError,
+                           match="no reference run for 'lab7_bring_your_own_model/cnn'"):
+            nb.launch_demo("zerolab.course.demos.byom", [], nproc=2, echo=None,
+                           out=tmp_path / "lab7_bring_your_own_model" / "cnn")
+    finally:
+        nb.use_reference(False)
+    assert [r["rank"] for r in ranks] == [0, 1] and "no ranks launched" in printed[0]
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.json", "rank1.json"]
+    assert set(ranks[0]["wrappers"]) == set(wrappers.NAMES)
+    assert wrappers.check_held(wrappers.held_rows(ranks)) == 2 * 4 * 3
+    assert wrappers.check_traffic(wrappers.traffic_rows(ranks)) > 0
+    assert wrappers.check_layouts(wrappers.layout_rows(ranks), 2) == 6
+
+
+def test_save_stores_a_demo_run_next_to_training_runs(tmp_path, monkeypatch):
+    """`python -m zerolab.course.reference OUT` stores a lab's demo run (rank JSONs with a "demo"
+    key, outside stage folders) as it stores training runs, and only the labs asked for."""
+    import json
+
+    from zerolab.course import reference
+    monkeypatch.setattr(reference, "FOLDER", tmp_path / "store")
+    labs_out = tmp_path / "labs"
+    for r in (0, 1):
+        demo = labs_out / "lab7_bring_your_own_model" / "cnn" / f"rank{r}.json"
+        demo.parent.mkdir(parents=True, exist_ok=True)
+        demo.write_text(json.dumps({"demo": "zerolab.course.demos.byom", "rank": r}))
+        run = labs_out / "lab1_memory_by_stage" / "stage0" / f"rank{r}.json"
+        run.parent.mkdir(parents=True, exist_ok=True)
+        run.write_text(json.dumps({"rank": r}))
+    (labs_out / "lab7_bring_your_own_model" / "summary.json").write_text("{}")
+    assert reference.save(labs_out, ["lab7_bring_your_own_model"]) == 2
+    stored = sorted(p.relative_to(tmp_path / "store").as_posix()
+                    for p in (tmp_path / "store").rglob("*.json"))
+    assert stored == ["lab7_bring_your_own_model/cnn/rank0.json",
+                      "lab7_bring_your_own_model/cnn/rank1.json"]
+    assert reference.save(labs_out) == 4
+
+
+def test_zerolab_labs_reference_runs_labs_5_6_and_7(tmp_path):
+    """`zerolab labs --reference` executes the labs that read more than rank JSONs (lab 5:
+    parameter differences, lab 6: timings and a trace, lab 7: a demo's JSONs) without
+    launching, and all pass."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "MPLBACKEND": "Agg"}
     env.pop("ZEROLAB_REFERENCE", None)
     done = subprocess.run([sys.executable, "-m", "zerolab", "labs", "--reference", "--only",
-                           "lab5,lab6", "--out", str(tmp_path / "labs")], cwd=root, env=env,
+                           "lab5,lab6,lab7", "--out", str(tmp_path / "labs")], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (tmp_path / "labs" / "report.md").read_text()
-    assert "2 of 2 labs passed" in report and "no ranks launched" in done.stdout
+    assert "3 of 3 labs passed" in report and "no ranks launched" in done.stdout
     assert (tmp_path / "labs" / "lab5_same_training" / "loss_curves.png").exists()
     assert (tmp_path / "labs" / "lab6_time_by_stage" / "time_by_stage.png").exists()
+    assert (tmp_path / "labs" / "lab7_bring_your_own_model" / "held_by_wrapper.png").exists()

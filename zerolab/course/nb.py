@@ -87,6 +87,27 @@ def launch_module(module: str, args: list[str], *, nproc: int, timeout=300, echo
     return run_torchrun(list(args), nproc, module=module, timeout=timeout, echo=echo)
 
 
+def launch_demo(module: str, args: list[str], *, out, nproc: int, timeout=300,
+                echo=print) -> list[dict]:
+    """Run a demo that writes OUT/rank{r}.json (e.g. "zerolab.course.demos.byom", lab 7) on
+    `nproc` local CPU ranks with `--out OUT` added to `args`; return the ranks' JSONs in rank
+    order. Rank files an earlier run left in OUT are removed first. In reference mode
+    (`use_reference`) no rank starts: the committed run for OUT is copied in instead."""
+    out = Path(out)
+    if reference.active():
+        reference.restore_demo(out)
+    else:
+        for old in out.glob("rank*.json"):
+            old.unlink()
+        launch_module(module, [*args, "--out", str(out)], nproc=nproc, timeout=timeout, echo=echo)
+    ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")),
+                   key=lambda r: r["rank"])
+    if reference.active() and echo:
+        echo(f"reference results ({len(ranks)} gloo ranks, the reference CPU machine): no ranks "
+             "launched")
+    return ranks
+
+
 KERNEL_NAME = "zerolab-python"
 
 

@@ -8,9 +8,10 @@ JSONs (`stage{S}/rank{r}.json`, a few KB each; lab 6's step times are in them), 
 traces of labs 3 and 6 (`stage{S}/trace_rank{r}.json`, cut to the ranges `trace.spans` reads:
 compute phases and blocks, each collective's issue, wait and run; a few KB) and, for lab 5, the
 per-parameter differences to DDP (`param_diffs.json`, written by `results.param_diffs`) instead of
-the binary `params.pt` files. In reference mode `zerolab.course.nb.launch` starts no ranks: it copies the
-matching reference run into the requested `out` folder and returns it, so every later cell
-(tables, checks, plots) runs unchanged.
+the binary `params.pt` files; for lab 7, the JSONs its demo wrote (`<model>/rank{r}.json`, from
+`zerolab.course.demos.byom`). In reference mode `zerolab.course.nb.launch` (and `nb.launch_demo`)
+starts no ranks: it copies the matching reference run into the requested `out` folder and
+returns it, so every later cell (tables, checks, plots) runs unchanged.
 
     zerolab labs --reference                 # every lab, from the reference run
     from zerolab import nb; nb.use_reference()   # in one notebook; rerun the failed cell
@@ -34,6 +35,7 @@ from pathlib import Path
 
 FOLDER = Path(__file__).parent / "reference_runs"
 FILES = ("stage[0-3]/rank*.json", "stage[0-3]/trace_rank*.json", "param_diffs.json")
+DEMO_FILES = ("rank*.json",)        # a demo's run (lab 7: zerolab.course.demos.byom): OUT/rank{r}.json
 _ON = False
 
 
@@ -86,6 +88,39 @@ def restore(out) -> Path:
     return dst
 
 
+def restore_demo(out) -> Path:
+    """`restore` for a demo's run (`nb.launch_demo`): copy the stored OUT/rank{r}.json files for
+    `out`'s key into `out`; returns `out`. FileNotFoundError naming the stored demo runs when
+    there is none."""
+    src = FOLDER / key(out)
+    files = [p for pattern in DEMO_FILES for p in src.glob(pattern)]
+    if not files:
+        known = sorted(str(p.parent.relative_to(FOLDER)) for p in _demo_runs(FOLDER))
+        raise FileNotFoundError(f"no reference run for {key(out)!r} (out={str(out)!r}); "
+                                f"reference demo runs: {', '.join(known) or 'none'}")
+    dst = Path(out)
+    dst.mkdir(parents=True, exist_ok=True)
+    for old in dst.glob("rank*.json"):
+        old.unlink()
+    for path in files:
+        shutil.copyfile(path, dst / path.name)
+    return dst
+
+
+def _demo_runs(folder: Path) -> list[Path]:
+    """rank0.json files under `folder` written by a demo (they say which: a "demo" key)."""
+    out = []
+    for path in folder.glob("**/rank0.json"):
+        if re.fullmatch(r"stage[0-3]", path.parent.name):
+            continue
+        try:
+            if "demo" in json.loads(path.read_text()):
+                out.append(path)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _trace(path: Path) -> dict:
     """A Chrome trace cut to the ranges `trace.spans` reads (`trace.keep`), without their args:
     the labs print and plot those; the metadata (zerolab's run / stage / rank / step) is kept."""
@@ -102,8 +137,10 @@ def save(labs_out, labs=None) -> int:
     run; returns the number of files stored. ValueError for a run whose parameters were saved
     but not compared (no param_diffs.json)."""
     labs_out, count = Path(labs_out), 0
+    demos = sorted({p.parent for p in _demo_runs(labs_out) if re.match(r"lab\d+_", key(p.parent))})
     found = sorted({key(p.parent.parent).split("/")[0]
-                    for p in labs_out.glob("**/stage[0-3]/rank0.json")})
+                    for p in labs_out.glob("**/stage[0-3]/rank0.json")}
+                   | {key(run).split("/")[0] for run in demos})
     chosen = [lab for lab in found if not labs or lab in labs]
     if labs and set(labs) - set(chosen):
         raise ValueError(f"no run of {sorted(set(labs) - set(chosen))} in {str(labs_out)!r} "
@@ -124,6 +161,15 @@ def save(labs_out, labs=None) -> int:
                 target = FOLDER / name / path.relative_to(run)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(json.dumps(data, separators=(",", ":")))
+                count += 1
+    for run in demos:
+        if key(run).split("/")[0] not in chosen:
+            continue
+        for pattern in DEMO_FILES:
+            for path in run.glob(pattern):
+                target = FOLDER / key(run) / path.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(json.dumps(json.loads(path.read_text()), separators=(",", ":")))
                 count += 1
     return count
 

@@ -70,10 +70,11 @@ class SmallCNN(nn.Module):
 
 
 class EncoderClassifier(nn.Module):
-    """Token sequences (vocabulary 31, length 8) -> 5 classes: a frozen embedding, a learned
-    position embedding of shape (1, T, d) (as ViT's pos_embed), two torch.nn.TransformerEncoder
-    layers (d = 21, 3 heads, feed-forward 33: odd row counts), a head on the mean over tokens."""
-    vocab, T, d, heads, ff, classes = 31, 8, 21, 3, 33, 5
+    """Token sequences (vocabulary 31, length 7) -> 5 classes: a frozen embedding, a learned
+    position embedding of shape (1, T, d) (as ViT's pos_embed: one row), two
+    torch.nn.TransformerEncoder layers (d = 21, 3 heads, feed-forward 32: row counts of 21, 63,
+    32; each layer 3,329 elements), a head on the mean over tokens."""
+    vocab, T, d, heads, ff, classes = 31, 7, 21, 3, 32, 5
 
     def __init__(self):
         super().__init__()
