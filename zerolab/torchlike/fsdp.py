@@ -64,6 +64,11 @@ class FSDPModule:
         return _full_state_dict(self)
 
     @property
+    def comm(self):
+        """The zerolab.comm.Comm every collective of this model goes through (`.records`)."""
+        return self._zerolab_fsdp.comm
+
+    @property
     def zerolab_strategy(self):
         """The zerolab.zero3.ZeRO3 running this model (on the root)."""
         return _root_state(self).strategy
