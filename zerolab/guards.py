@@ -211,8 +211,12 @@ def claim_loop_grads(u):
     """own_step=False, before a backward: the loop's gradients of its shard parameters keep
     torch's meaning when the reduce_scatter adds into them in place (`u.grad_master` is
     `grad_shard`): None -> that piece starts from zero; the view itself -> kept (accumulating);
-    another tensor the loop assigned -> its values."""
+    another tensor the loop assigned -> its values. (Otherwise grad_shard was freed after the
+    last hand-over: it gets its memory back, zeroed.)"""
     if u.grad_master is not u.grad_shard:
+        if u.grad_shard.untyped_storage().nbytes() == 0:
+            u.grad_shard.untyped_storage().resize_(u.grad_shard.numel() * u.grad_shard.element_size())
+            u.grad_shard.zero_()
         return
     for sp, view in zip(u.shard_params, u.shard_views(u.grad_shard)):
         g = sp.grad
@@ -225,7 +229,7 @@ def claim_loop_grads(u):
 def hand_grads(u):
     """own_step=False, after a synchronising backward: each shard parameter's .grad is its piece
     of the averaged gradient shard (a view of `grad_shard` when it has the master's dtype;
-    else `grad_shard` is added into the loop's fp32 gradients `u.grad_master` and cleared,
+    else `grad_shard` is added into the loop's fp32 gradients `u.grad_master` and freed,
     FSDP2's reduce in reduce_dtype then cast)."""
     if u.grad_master is u.grad_shard:
         for sp, view in zip(u.shard_params, u.shard_views(u.grad_shard)):
@@ -239,7 +243,7 @@ def hand_grads(u):
             sp.grad = view.copy_(g)
         else:
             sp.grad.add_(g)
-    u.grad_shard.zero_()
+    u.grad_shard.untyped_storage().resize_(0)      # back at the next backward (2Ψ/N bytes bf16)
 
 
 def adopt_edits(unit, flat: torch.Tensor, master: torch.Tensor, own=None):

@@ -69,12 +69,14 @@ def shard_unit(u, grad_dtype=None, param_dtype=None, own_step=True):
     else:
         u.master = u.own(full).clone()                          # [Ψ_u/N] the loop's shard
         same = u.master.dtype == u.param_flat.dtype
-        u.param_shard = u.master if same else u.master.to(u.param_flat.dtype)
+        u.param_shard = u.master if same else u.master.to(u.param_flat.dtype)   # freed below
     u.grad_shard = torch.zeros_like(u.param_shard, dtype=grad_dtype)   # [Ψ_u/N] bf16
     if not own_step:                        # the loop's p.grad: views of grad_shard, or fp32
         u.grad_master = u.grad_shard if u.grad_shard.dtype == u.master.dtype else None
     u.unbind_params(SHARDED)
     free_storage(u.param_flat)
+    if not own_step and u.param_shard is not u.master:
+        free_storage(u.param_shard)         # a cast copy only while gathering (ZeRO3._refresh)
 
 
 class ZeRO3:
@@ -99,11 +101,9 @@ class ZeRO3:
         calls are counted and its post-backward hook counts them down, so a block called in two
         forwards before one backward is reduced after both; the root unit is gathered by the
         model's own forward hooks, so `model(x, y)` under torch.no_grad() works between steps.
-        blocks: [(name, module)] instead of model.zero_units(). layout: "flat" (DeepSpeed's) or
-        "dim0" (FSDP2's; `FlatUnit`). reshard_after_forward=False: blocks stay gathered from
-        forward into backward (SHARD_GRAD_OP). own_step=False: the loop's optimizer steps the
-        shards `u.master` itself (`zerolab.torchlike.fully_shard`, which passes `units` set up
-        by `shard_unit`); param_dtype: the dtype gathered and computed in; step() refused."""
+        blocks: for model.zero_units(). layout: "flat" or "dim0" (`FlatUnit`). own_step=False,
+        units (set up by `shard_unit`), reshard_after_forward, param_dtype: for
+        `zerolab.torchlike.fully_shard` (the loop's optimizer steps `u.master`; FSDP2's)."""
         if isinstance(prefetch, bool):
             prefetch = int(prefetch)
         if not isinstance(prefetch, int) or prefetch < -1:
@@ -132,7 +132,8 @@ class ZeRO3:
         for m in (model, *(u.module for u in self.units if u.module is not None)):
             if own_step:                    # (fully_shard: state_dict() holds the loop's shards)
                 self.handles += [m.register_state_dict_pre_hook(self._check_gathered),
-                                 m.register_load_state_dict_pre_hook(self._check_gathered_load)]
+                                 m.register_load_state_dict_pre_hook(
+                                     lambda *_: self._check_gathered(0, 0, False, "load_"))]
         self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw) if own_step else None
         self.inflight = []
         self.root = [u for u in self.units if u.module is None]
@@ -152,6 +153,7 @@ class ZeRO3:
             self._refresh(u)
             gather_params(self.comm, u)
         u.bind_params(u.param_flat)
+        self._refresh(u, keep=False)        # (own_step=False: the cast copy is not needed now)
         u.gathered = True
         self._sample(f"all_gather {u.name}")
         if self.prefetch and u in self.blocks:          # depth: True = 1, k, or -1 = all
@@ -165,10 +167,12 @@ class ZeRO3:
                     self.prefetched[nxt.name] = self.comm.all_gather(
                         nxt.param_flat, nxt.param_shard, what="params", unit=nxt.name, async_op=True)
 
-    def _refresh(self, u):
-        # own_step=False: the loop's optimizer changed the master shard; gather it in param_dtype
+    def _refresh(self, u, keep=True):
+        # own_step=False: gather the loop's master shard in param_dtype (a transient cast copy)
         if u.param_shard is not u.master and not self.own_step:
-            u.param_shard.copy_(u.master)
+            alloc_storage(u.param_shard) if keep else free_storage(u.param_shard)
+            if keep:
+                u.param_shard.copy_(u.master)
 
     def _check_untouched(self, u):
         # `p.data = t` on a sharded parameter: its values would be overwritten by the gather
@@ -410,16 +414,12 @@ class ZeRO3:
             for u in self.units:
                 self._free(u)
 
-    def _check_gathered(self, module, prefix, keep_vars):
+    def _check_gathered(self, module, prefix, keep_vars, load=""):
         # keep_vars=True asks for the live parameters themselves (placeholders here): allowed
         if not self.pinned and not keep_vars:
-            raise RuntimeError("ZeRO-3 holds only shards of the weights: call state_dict() "
-                               "inside `with strategy.gathered():` (on every rank)")
-
-    def _check_gathered_load(self, *_):
-        if not self.pinned:
-            raise RuntimeError("ZeRO-3 holds only shards of the weights: call load_state_dict() "
-                               "inside `with strategy.gathered(modifier_rank=0):` (on every rank)")
+            raise RuntimeError(f"ZeRO-3 holds only shards of the weights: call {load}state_dict()"
+                               f" inside `with strategy.gathered({load and 'modifier_rank=0'}):` "
+                               "(on every rank)")
 
     def close(self):
         """Remove every hook this strategy put on the model, so that it can be freed."""

@@ -55,7 +55,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             u.master = own if own.dtype == torch.float32 else own.float().clone()
             u.pieces = [torch.nn.Parameter(v) if v.numel() else None
                         for v in u.shard_views(u.master)]       # what the optimizer steps
-            u.grad_master = torch.zeros_like(u.master)
             self.units.append(u)
             hyper = {key: v for key, v in group.items() if key != "params"}
             inner.append({"params": [p for p in u.pieces if p is not None], **hyper})
@@ -82,19 +81,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 g.update({key: v for key, v in self.param_groups[k].items() if key != "params"})
         with self.comm.phase("step"):
             for u in self.units:
-                for p, off, piece, gview, (lo, hi) in zip(u.params, u.offsets, u.pieces,
-                                                          u.shard_views(u.grad_master),
-                                                          u.segments(sharded=True)):
+                for p, off, piece, (lo, hi) in zip(u.params, u.offsets, u.pieces,
+                                                   u.segments(sharded=True)):
                     if piece is None:
                         continue
                     if p.grad is None:              # torch skips it: no update, no state
                         piece.grad = None
                         continue
                     first = max(u.start - off, 0)       # where this rank's piece begins
-                    gview.copy_(p.grad.reshape(-1)[first:first + (hi - lo)])
-                    piece.grad = gview
+                    g = p.grad.reshape(-1)[first:first + (hi - lo)]     # a view: no copy
+                    piece.grad = g.view(piece.shape).to(piece.dtype)    # (bf16 grads: fp32)
             if self.optim is not None:
                 self.optim.step()
+            for u in self.units:                    # the gradients stay the loop's (p.grad)
+                for piece in u.pieces:
+                    if piece is not None:
+                        piece.grad = None
             handles = [publish_update(self.comm, u) for u in self.units]  # own range -> all
             for h in handles:
                 h.wait()

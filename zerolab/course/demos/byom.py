@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...sharding import decays, storage_bytes
+from ...sharding import decays
 from ...torchlike import DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard, held_bytes
 
 PROGRAM = "zerolab.course.demos.byom"
@@ -167,9 +167,6 @@ def run(key, args, decay, rank, n, reference) -> tuple[dict, dict]:
         full = model.full_state_dict()              # a collective (ledger phase "eval")
     if key == "zero1":
         out["groups"] = units_of(opt.units)
-        # this rank's gradient range in fp32, copied out of DDP's buckets for the inner AdamW
-        # at every step and kept between steps; held_bytes does not count it
-        out["grad_range_bytes"] = storage_bytes(u.grad_master for u in opt.units)
     out["diff_vs_reference"] = diffs(full, reference)
     return out, full
 
