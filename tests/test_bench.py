@@ -18,7 +18,8 @@ import pytest
 from zerolab import theory
 from zerolab.model import GPT, get_config, num_params
 
-SYSTEMS = "zerolab-ddp,zerolab-zero2,zerolab-zero3,torch-ddp,fsdp2-reshard"
+SYSTEMS = ("zerolab-ddp,zerolab-zero2,zerolab-zero3,torch-ddp,fsdp2-reshard,torchlike-ddp-zero,"
+           "torchlike-fsdp")
 
 
 def _bench(out, *extra):
@@ -48,6 +49,17 @@ def test_bench_runs_and_counts_bytes(bench_nano):
     z3 = sum(theory.traffic_bytes(psi, 2, 3, "fp32").values())
     assert rows["fsdp2-reshard"]["bytes_per_step"] == pytest.approx(z3, rel=0.01)
     assert rows["torch-ddp"]["vs_torch_ddp"] == 1.0
+    # zerolab behind torch's names: DDP + ZeroRedundancyOptimizer is ZeRO-1 as in the notes
+    # (all_reduce + all_gather, 3(n-1)/n · 4Ψ up to padding); fully_shard keeps the root gathered
+    # from forward into backward (FSDP2 does too), so it gathers the root once a step, not twice
+    z1 = sum(theory.traffic_bytes(psi, 2, 1, "fp32").values())
+    assert rows["torchlike-ddp-zero"]["bytes_per_step"] == pytest.approx(z1, rel=1e-3)
+    model = GPT(get_config("nano"))
+    root = psi - sum(p.numel() for p in model.blocks.parameters())
+    once = z3 - (2 - 1) / 2 * 4 * root          # the root's backward all_gather not needed
+    assert rows["torchlike-fsdp"]["bytes_per_step"] == pytest.approx(once, rel=0.02)  # dim0 pad
+    assert rows["torchlike-fsdp"]["state_bytes"] == pytest.approx(
+        rows["fsdp2-reshard"]["state_bytes"], rel=0.02)                  # 16Ψ/N either way
 
 
 def test_bench_peak_column(bench_nano):

@@ -14,6 +14,9 @@ before it plus activations, gradients, buckets, gathered weights and temporaries
 over ranks), and bytes and collectives per step (torch's systems counted by a TorchDispatchMode
 that sees c10d ops, course/demos/fsdp.py's counter; zerolab's by its ledger, which names a gloo
 reduce_scatter as one although it runs as an in-place all_reduce; one extra untimed step).
+The torchlike-* systems are zerolab's stages behind torch's interfaces (zerolab.torchlike:
+DistributedDataParallel with torch's 25 MiB buckets, + ZeroRedundancyOptimizer, fully_shard with
+layout dim0 and flat), run by the same loop as torch's systems; `--systems` picks them.
 `zerolab bench --meter-cost` instead times `zerolab train`'s step of each zerolab stage with the
 memory meter sampling, idle and absent (course/metercost.py, the same options).
 
@@ -56,7 +59,9 @@ from ..zero3 import DEFAULT_PREFETCH
 ZEROLAB = {"zerolab-ddp": (0, None), "zerolab-zero1": (1, None), "zerolab-zero2": (2, None),
            "zerolab-zero3": (3, DEFAULT_PREFETCH), "zerolab-zero3-noprefetch": (3, 0)}
 TORCH = ("torch-ddp", "torch-ddp-zero", "fsdp2-reshard", "fsdp2-noreshard")
-SYSTEMS = (*ZEROLAB, *TORCH)
+# zerolab's strategies behind torch's interfaces (zerolab.torchlike), the loop torch's systems run
+TORCHLIKE = ("torchlike-ddp", "torchlike-ddp-zero", "torchlike-fsdp", "torchlike-fsdp-flat")
+SYSTEMS = (*ZEROLAB, *TORCH, *TORCHLIKE)
 
 
 def split_system(name: str) -> tuple[str, float | None]:
@@ -86,7 +91,7 @@ class System:
         torch.manual_seed(args.seed)
         model = GPT(cfg)
         adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-        self.strategy, self.optimizer = None, None
+        self.strategy, self.optimizer, self.comm = None, None, None
         base, bucket_mb = split_system(name)
         if base in ZEROLAB:
             stage, prefetch = ZEROLAB[base]
@@ -94,6 +99,9 @@ class System:
                 "bucket_mb": bucket_mb if bucket_mb is not None else args.bucket_mb}
             self.strategy = STRATEGIES[stage](model, comm, max_grad_norm=0.0, **kwargs, **adamw)
             self.model = model
+            return
+        if base in TORCHLIKE:
+            self._torchlike(base, model, comm, adamw)
             return
         if name.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
@@ -113,6 +121,22 @@ class System:
                                                      parameters_as_bucket_view=True, **adamw)
         else:
             self.optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+
+    def _torchlike(self, base, model, comm, adamw):
+        from .. import torchlike as tl
+        self.comm = comm
+        if base.startswith("torchlike-fsdp"):
+            layout = "flat" if base.endswith("flat") else "dim0"
+            for block in model.blocks:
+                tl.fully_shard(block, layout=layout, comm=comm)
+            self.model = tl.fully_shard(model, layout=layout, comm=comm)
+            self.optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+            return
+        self.model = tl.DistributedDataParallel(model, comm=comm)     # bucket_cap_mb 25, torch's
+        self.optimizer = (tl.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
+                                                     comm=comm, **adamw)
+                          if base == "torchlike-ddp-zero"
+                          else torch.optim.AdamW(model.parameters(), **adamw))
 
     def step(self, x, y):
         if self.strategy is not None:
@@ -165,8 +189,8 @@ def count_traffic(system, x, y) -> tuple[float, int]:
     counter, zerolab's from its ledger (logical ring bytes: on gloo zerolab issues a
     reduce_scatter as an in-place all_reduce plus a slice, which the counter would count as an
     all_reduce; gloo's own reduce_scatter, which FSDP2 uses, is the same all_reduce underneath)."""
-    if system.strategy is not None:
-        comm = system.strategy.comm
+    comm = system.strategy.comm if system.strategy is not None else system.comm
+    if comm is not None:                    # zerolab's, and zerolab's behind torch's names
         first = len(comm.records)
         system.step(x, y)
         rows = comm.records[first:]
@@ -202,7 +226,8 @@ def parser(p: argparse.ArgumentParser | None = None, launcher: bool = False):
                      "per block); a system NAME@MB overrides it, e.g. zerolab-ddp@4",
         "link_gbps": "emulated link, Gb/s per rank (zerolab systems only)",
         "out": "writes OUT/bench.json (OUT/meter_cost.json with --meter-cost)"})
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of systems")
+    p.add_argument("--systems", default=",".join((*ZEROLAB, *TORCH)),
+                   help=f"comma list of systems, of {', '.join(SYSTEMS)}")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds (one step of every system each)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     if launcher:
@@ -228,7 +253,7 @@ def parse_systems(text: str, link: bool) -> list[str]:
         raise ValueError(f"--systems {text!r} names a system twice")
     if not names:
         raise ValueError("--systems is empty")
-    return [s for s in names if split_system(s)[0] in ZEROLAB] if link else names
+    return [s for s in names if split_system(s)[0] in (*ZEROLAB, *TORCHLIKE)] if link else names
 
 
 def check_args(args, world_size: int) -> list[str]:
