@@ -330,7 +330,58 @@ def run_fsdp(rank, case, tl, mesh):
     return out
 
 
-RUNNERS = {"ddp": run_ddp, "zro": run_zro, "refuse": run_refuse, "fsdp": run_fsdp}
+def run_api(rank, case, tl, mesh):
+    """("api", what): torch's own argument lists and keywords, given to zerolab's wrappers."""
+    what = case[1]
+    if what == "ddp-positional":        # torch's positional order, every argument
+        model = build("toy", seed=rank)
+        ddp = tl.DistributedDataParallel(model, None, None, 0, True, True, None, None, False,
+                                         False, True, False)
+        opt = make_opt("sgd", ddp.parameters())
+        train("toy", ddp, rank, opt)
+        return {"state": snapshot(ddp.module.state_dict()),
+                "keys": sorted(ddp.state_dict())}
+    if what == "fsdp-mesh-ignored":     # mesh=, ignored_params=: the same as FSDP2
+        from torch.distributed.fsdp import fully_shard
+        out = {}
+        for impl in ("torch", "zerolab"):
+            model = build("toy", seed=0)
+            ignored = {model.blocks[0].fc.bias}
+            shard = fully_shard if impl == "torch" else tl.fully_shard
+            for b in model.blocks:
+                shard(b, mesh=mesh, ignored_params=ignored)
+            shard(model, mesh=mesh, ignored_params=ignored)
+            opt = make_opt("adamw", model.parameters())
+            train("toy", model, rank, opt)
+            bias = model.blocks[0].fc.bias
+            out[impl] = {"bias": bias.detach().clone(), "bias_shape": tuple(bias.shape)}
+            if impl == "zerolab":
+                out[impl]["state"] = snapshot(model.full_state_dict())
+            else:
+                out[impl]["state"] = snapshot({k: v.full_tensor() if hasattr(v, "full_tensor")
+                                               else v for k, v in model.state_dict().items()})
+        return out
+    bad = {"ddp-dim": lambda: tl.DistributedDataParallel(build("seq"), dim=1),
+           "ddp-bucket": lambda: tl.DistributedDataParallel(build("seq"), bucket_cap_mb=-1),
+           "zro-overlap": lambda: tl.ZeroRedundancyOptimizer(
+               build("seq").parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1),
+           "fsdp-layout": lambda: tl.fully_shard(build("seq"), layout="rows"),
+           "fsdp-reshard": lambda: tl.fully_shard(build("seq"), reshard_after_forward=2),
+           "fsdp-placement": lambda: tl.fully_shard(build("seq"),
+                                                    shard_placement_fn=lambda p: None)}
+    try:
+        bad[what]()
+    except Exception as e:  # noqa: BLE001 - the test checks the type and the message
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None, "message": ""}
+
+
+API_REFUSED = {"ddp-dim": "dim", "ddp-bucket": "bucket_cap_mb", "zro-overlap": "overlap_with_ddp",
+               "fsdp-layout": "layout", "fsdp-reshard": "reshard_after_forward",
+               "fsdp-placement": "shard_placement_fn"}
+API_CASES = [("api", "ddp-positional"), ("api", "fsdp-mesh-ignored")] + [
+    ("api", name) for name in API_REFUSED]
+RUNNERS = {"ddp": run_ddp, "zro": run_zro, "refuse": run_refuse, "fsdp": run_fsdp, "api": run_api}
 
 
 def worker(rank, n, todo):
@@ -370,7 +421,7 @@ FSDP_CASES = [("fsdp", impl, kind, opt, dtype, "plain") for impl in ("torch", "d
 FSDP_CASES += [("fsdp", impl, "toy", opt, "fp32", variant) for impl in ("torch", "dim0", "flat")
                for opt, variant in (("adamw", "accum"), ("sgd", "keep"), ("adamw", "noreshard"),
                                     ("sgd", "eval"))]
-RUN = DDP_CASES + ZRO_CASES + SWEEP_CASES + REFUSE_CASES + FSDP_CASES
+RUN = DDP_CASES + ZRO_CASES + SWEEP_CASES + REFUSE_CASES + FSDP_CASES + API_CASES
 
 
 def cases(table, **where):
@@ -758,3 +809,35 @@ def max_padding(layout, kind):
     if layout == "flat":
         return N * len(params)
     return sum(p.numel() // max(p.shape[0], 1) if p.dim() else 1 for p in params)
+
+
+# --- torch's argument lists, as an outside suite would pass them -----------------------------------
+def test_ddp_takes_torchs_positional_arguments(ranks):
+    """DistributedDataParallel(module, device_ids, output_device, dim, broadcast_buffers,
+    init_sync, process_group, bucket_cap_mb, find_unused_parameters, check_reduction,
+    gradient_as_bucket_view, static_graph): torch's order; the loop equals one process, and the
+    wrapper's state_dict keys are torch DDP's ("module." + the module's)."""
+    ref = reference("toy", "sgd")
+    for rank, r in enumerate(results(ranks, ("api", "ddp-positional"))):
+        assert_close(r["state"], ref["state"], ATOL, f"rank {rank}")
+        assert r["keys"] == sorted("module." + k for k in build("toy").state_dict()), rank
+
+
+def test_fully_shard_mesh_and_ignored_params_as_fsdp2(ranks):
+    """mesh= and ignored_params=: the ignored parameter stays whole and its gradient is not
+    reduced (each rank's own, as in FSDP2: the replicas of it differ); everything else equals
+    FSDP2 on the same loop."""
+    rs = results(ranks, ("api", "fsdp-mesh-ignored"))
+    for rank, r in enumerate(rs):
+        assert r["zerolab"]["bias_shape"] == r["torch"]["bias_shape"] == (Toy.dim,), rank
+        assert torch.allclose(r["zerolab"]["bias"], r["torch"]["bias"], atol=ATOL), rank
+        theirs = {k: v for k, v in r["torch"]["state"].items() if k != "blocks.0.fc.bias"}
+        assert_close({k: r["zerolab"]["state"][k] for k in theirs}, theirs, ATOL, f"rank {rank}")
+    assert not torch.equal(rs[0]["zerolab"]["bias"], rs[1]["zerolab"]["bias"])
+
+
+@pytest.mark.parametrize("name", sorted(API_REFUSED))
+def test_wrappers_refuse_what_they_do_not_offer_in_one_line(ranks, name):
+    for rank, r in enumerate(results(ranks, ("api", name))):
+        assert r["raised"] in ("ValueError", "TypeError"), (name, rank, r)
+        assert "\n" not in r["message"].strip() and API_REFUSED[name] in r["message"], r["message"]

@@ -293,8 +293,8 @@ def check_trainable(model: torch.nn.Module, units: list[FlatUnit]):
     """Raise RuntimeError naming a parameter that requires grad but has no flat buffer: it was
     frozen when the strategy was built, so no strategy would ever update it (torch would)."""
     known = {id(p) for u in units for p in (*u.params, *(u.shard_params or ()))}
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in known:
+    for name, p in model.named_parameters():        # (fully_shard's ignored_params: the loop's)
+        if p.requires_grad and id(p) not in known and not getattr(p, "_zerolab_ignored", False):
             raise RuntimeError(f"parameter {name} requires grad but was frozen when the strategy "
                                "was built; set requires_grad before building the strategy")
 

@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from .. import DDP
+from .. import DDP, theory
 from ..comm import Comm
 from ..sharding import module_blocks
 from .backward import arm
@@ -29,22 +29,37 @@ class DistributedDataParallel(torch.nn.Module):
     """torch.nn.parallel.DistributedDataParallel's interface (the reference), zerolab's DDP inside.
 
     module: any nn.Module (fp32 or low precision; its trainable parameters share one dtype per
-    bucket). process_group: a torch.distributed group (None: the default) unless `comm` (a
-    zerolab.comm.Comm) is given. bucket_cap_mb: MiB (2**20 bytes) of gradients per all_reduce
-    (torch's default 25). find_unused_parameters: as torch's (one all_reduce of a flag per
-    parameter a step). broadcast_buffers: rank 0's buffers are broadcast before every forward,
-    as torch does. Rank 0's parameters and buffers are broadcast at construction.
+    bucket). The arguments are torch's, in torch's order. process_group: a torch.distributed
+    group (None: the default) unless `comm` (a zerolab.comm.Comm) is given. bucket_cap_mb: MiB
+    (2**20 bytes) of gradients per all_reduce (None: torch's 25). find_unused_parameters: as
+    torch's (one all_reduce of a flag per parameter a step). broadcast_buffers: rank 0's
+    buffers are broadcast before every forward, as torch does. Rank 0's parameters and buffers
+    are broadcast at construction, whatever init_sync says (replicas that start apart would
+    only drift). device_ids / output_device: the module's own device is used (one device per
+    rank, torch's recommended use); gradient_as_bucket_view, static_graph, check_reduction:
+    accepted, no effect (gradients are always bucket views). dim other than 0 is refused.
     Attributes: module, comm (the ledger: `comm.records`), strategy (zerolab.ddp.DDP).
     Raises RuntimeError (torch.distributed not initialised) and ValueError (bucket_cap_mb not a
-    number > 0), one line each."""
+    number > 0, dim != 0, device_ids naming more than one device), one line each."""
 
-    def __init__(self, module, process_group=None, *, bucket_cap_mb=25.0,
-                 find_unused_parameters=False, broadcast_buffers=True, comm=None):
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                 init_sync=True, process_group=None, bucket_cap_mb=None,
+                 find_unused_parameters=False, check_reduction=False,
+                 gradient_as_bucket_view=False, static_graph=False, *, comm=None):
         super().__init__()
+        if dim != 0:
+            raise ValueError(f"dim {dim!r}: zerolab's DistributedDataParallel does not scatter "
+                             "inputs; each rank passes its own batch (dim=0)")
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError(f"device_ids {device_ids!r}: one device per rank (torch's "
+                             "multi-device DDP is deprecated too)")
+        if bucket_cap_mb is not None:
+            theory.check_finite("bucket_cap_mb", bucket_cap_mb, positive=True)
         self.module = module
         self.comm = comm if comm is not None else Comm(process_group)
         blocks = None if hasattr(module, "zero_units") else module_blocks(module)
-        self.strategy = DDP(module, self.comm, bucket_mb=bucket_cap_mb, blocks=blocks,
+        self.strategy = DDP(module, self.comm, blocks=blocks,
+                            bucket_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
                             find_unused_parameters=find_unused_parameters, own_step=False)
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True

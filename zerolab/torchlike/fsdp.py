@@ -90,17 +90,32 @@ def _root_state(module) -> _State:
 _CLASSES: dict = {}
 
 
-def fully_shard(module: torch.nn.Module, *, process_group=None, reshard_after_forward=True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), layout: str = "dim0",
-                comm=None):
+def fully_shard(module: torch.nn.Module, *, mesh=None, reshard_after_forward=None,
+                shard_placement_fn=None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy=None, ignored_params=None, layout: str = "dim0",
+                process_group=None, comm=None):
     """Shard `module`'s trainable parameters that no inner fully_shard call took, in place, and
     return `module` (its class now also an FSDPModule). Call it on inner blocks first, the root
-    last, as with FSDP2. reshard_after_forward: bool, as FSDP2's (the root always keeps its
-    weights from forward into backward). mp_policy: MixedPrecisionPolicy. layout: "dim0"
-    (FSDP2's) or "flat" (zerolab's). process_group / comm: as DistributedDataParallel (an inner
-    call's Comm is reused, so one ledger holds every collective). Frozen parameters stay
-    replicated (FSDP2 shards them too). Raises ValueError / TypeError (one line) for a bad
-    value, RuntimeError for a parameter shared by two modules sharded by separate calls."""
+    last, as with FSDP2; FSDP2's keywords. mesh: a 1-D DeviceMesh (its group is used) or None.
+    reshard_after_forward: None / True / False (the root always keeps its weights from forward
+    into backward, as FSDP2's). mp_policy: MixedPrecisionPolicy. ignored_params: parameters
+    left alone (replicated, like frozen ones: FSDP2 shards frozen parameters too).
+    shard_placement_fn and offload_policy other than None / the default are refused. layout:
+    "dim0" (FSDP2's) or "flat" (zerolab's). process_group / comm: as DistributedDataParallel
+    (an inner call's Comm is reused, so one ledger holds every collective). Raises ValueError /
+    TypeError (one line) for a bad value, RuntimeError for a parameter shared by two modules
+    sharded by separate calls."""
+    if reshard_after_forward is None:
+        reshard_after_forward = True
+    if mesh is not None:
+        if mesh.ndim != 1:
+            raise ValueError(f"mesh {mesh!r}: a 1-D mesh (HSDP's 2-D mesh is not offered)")
+        process_group = mesh.get_group()
+    if shard_placement_fn is not None:
+        raise ValueError("shard_placement_fn is not offered: zerolab shards on dim 0 (layout="
+                         "'dim0') or flat ranges (layout='flat')")
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise ValueError(f"offload_policy {offload_policy!r}: CPU offload is not offered")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if not isinstance(reshard_after_forward, bool):
@@ -117,6 +132,7 @@ def fully_shard(module: torch.nn.Module, *, process_group=None, reshard_after_fo
     if comm is None:
         comm = inner[0][1]._zerolab_fsdp.comm if inner else Comm(process_group)
     inside = {id(x) for _, m in inner for x in m.modules()}
+    ignored = {id(p) for p in (ignored_params or ())}
     # --- the parameters this call manages, and every place the module holds each ------------
     places, params, rest, frozen = {}, {}, [], []
     for mname, m in module.named_modules():
@@ -130,6 +146,9 @@ def fully_shard(module: torch.nn.Module, *, process_group=None, reshard_after_fo
                 raise RuntimeError(f"parameter {qual} is shared with a module that fully_shard "
                                    "sharded on its own: shard their common parent instead (the "
                                    "shared weight then lives in its unit)")
+            if id(p) in ignored:                    # the loop's own: not cast, not reduced
+                p._zerolab_ignored = True
+                continue
             if not p.requires_grad:
                 rest.append(p)
                 frozen.append((m, attr, p))

@@ -30,6 +30,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     weight_decay, ... honoured). optimizer_class: a torch.optim.Optimizer class whose update is
     element-wise (SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, NAdam, RAdam, ASGD,
     Rprop; elementwise=True vouches for another). **defaults: its keyword arguments.
+    parameters_as_bucket_view: accepted; always True here (the parameters become views of the
+    group's flat buffer). overlap_with_ddp=True is refused.
     process_group / comm: as DistributedDataParallel. Gradients must already be averaged over
     the ranks (a DDP wrapper does it). step(): this rank's range of every group updated (the
     loop's optimizer on per-parameter pieces of it, fp32 masters for low-precision weights),
@@ -39,8 +41,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     Raises TypeError / ValueError (one line) for a class that is not an optimizer or whose update
     reads whole tensors (Adafactor, Muon, LBFGS, ...)."""
 
-    def __init__(self, params, optimizer_class, process_group=None, *, comm=None,
+    def __init__(self, params, optimizer_class, process_group=None,
+                 parameters_as_bucket_view=False, overlap_with_ddp=False, *, comm=None,
                  elementwise=None, **defaults):
+        if overlap_with_ddp:
+            raise ValueError("overlap_with_ddp=True is not offered: zerolab's ZeRO-1 update runs "
+                             "in step(), after backward (torch's runs inside DDP's comm hook)")
         check_elementwise(optimizer_class, elementwise)
         super().__init__(params, defaults)
         self.comm = comm if comm is not None else Comm(process_group)
