@@ -362,6 +362,11 @@ def run_api(rank, case, tl, mesh):
                                                else v for k, v in model.state_dict().items()})
         return out
     bad = {"ddp-dim": lambda: tl.DistributedDataParallel(build("seq"), dim=1),
+           "ddp-over-fsdp": lambda: tl.DistributedDataParallel(tl.fully_shard(build("seq"))),
+           "mp-dtype": lambda: tl.MixedPrecisionPolicy(param_dtype="bf16"),
+           "zro-instance": lambda: tl.ZeroRedundancyOptimizer(
+               build("seq").parameters(), torch.optim.SGD(build("seq").parameters(), lr=0.1)),
+           "zro-other-rank": lambda: _load_other_rank(tl, rank),
            "ddp-bucket": lambda: tl.DistributedDataParallel(build("seq"), bucket_cap_mb=-1),
            "zro-overlap": lambda: tl.ZeroRedundancyOptimizer(
                build("seq").parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1),
@@ -376,12 +381,86 @@ def run_api(rank, case, tl, mesh):
     return {"raised": None, "message": ""}
 
 
-API_REFUSED = {"ddp-dim": "dim", "ddp-bucket": "bucket_cap_mb", "zro-overlap": "overlap_with_ddp",
+class Branchy(nn.Module):
+    """Three blocks and an auxiliary branch; forward(x, use_aux, skip) leaves out the branch
+    and/or block 1 (data-dependent control flow, as real models have)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(Toy.vocab, Toy.dim)
+        self.blocks = nn.ModuleList(Block(Toy.dim) for _ in range(3))
+        self.aux = nn.Linear(Toy.dim, Toy.dim)
+        self.head = nn.Linear(Toy.dim, Toy.vocab)
+
+    def forward(self, x, use_aux=False, skip=False):
+        h = self.emb(x)
+        for i, b in enumerate(self.blocks):
+            h = h if (skip and i == 1) else b(h)
+        return self.head(self.aux(h) if use_aux else h)
+
+
+def run_found(rank, case, tl, mesh):
+    """("found", what, impl): what a new user tried (issue #19's trial), torch's class vs
+    zerolab's on the same loop: a branch used on odd steps (DDP, find_unused_parameters=True;
+    p.grad None when no rank used it, so SGD momentum and AdamW's decay leave it alone), a block
+    skipped on odd steps (fully_shard), clip_grad_norm_ over fully_shard's shards (the global
+    norm on every rank)."""
+    from torch.distributed.fsdp import fully_shard
+    _, what, impl = case
+    torch.manual_seed(0)
+    model = Branchy()
+    if what == "unused":
+        wrap = torch.nn.parallel.DistributedDataParallel if impl == "torch" else \
+            tl.DistributedDataParallel
+        net, model = model, wrap(model, find_unused_parameters=True)
+    else:
+        shard = fully_shard if impl == "torch" else tl.fully_shard
+        kw = {"mesh": mesh} if impl == "torch" else {}
+        for b in model.blocks:
+            shard(b, **kw)
+        net, model = model, shard(model, **kw)
+    opts = [torch.optim.SGD([p for n, p in net.named_parameters() if not n.startswith("head")],
+                            lr=0.1, momentum=0.9, weight_decay=0.01),
+            torch.optim.AdamW(net.head.parameters(), lr=0.01, weight_decay=0.1)]
+    out = {"grad_none": [], "norms": []}
+    for step in range(4):
+        x, y = rank_rows("toy", step, rank)
+        odd = step % 2 == 1
+        logits = model(x, use_aux=odd) if what == "unused" else model(x, skip=odd)
+        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        probe = net.aux.weight if what == "unused" else net.blocks[1].fc.bias
+        out["grad_none"].append(probe.grad is None)
+        if what == "clip":
+            out["norms"].append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    full = net.state_dict() if what == "unused" else (
+        model.full_state_dict() if impl == "zerolab" else
+        {k: v.full_tensor() for k, v in model.state_dict().items()})
+    out["state"] = snapshot(full)
+    return out
+
+
+FOUND_CASES = [("found", what, impl) for what in ("unused", "skip", "clip")
+               for impl in ("torch", "zerolab")]
+def _load_other_rank(tl, rank):
+    model = tl.DistributedDataParallel(build("seq"))
+    opt = tl.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+    state = opt.state_dict()
+    state["zerolab_rank"] = 1 - rank                        # the other rank's file
+    opt.load_state_dict(state)
+
+
+API_REFUSED = {"ddp-over-fsdp": "fully_shard", "mp-dtype": "param_dtype",
+               "zro-instance": "instance of SGD", "zro-other-rank": "rank",
+               "ddp-dim": "dim", "ddp-bucket": "bucket_cap_mb", "zro-overlap": "overlap_with_ddp",
                "fsdp-layout": "layout", "fsdp-reshard": "reshard_after_forward",
                "fsdp-placement": "shard_placement_fn"}
 API_CASES = [("api", "ddp-positional"), ("api", "fsdp-mesh-ignored")] + [
     ("api", name) for name in API_REFUSED]
-RUNNERS = {"ddp": run_ddp, "zro": run_zro, "refuse": run_refuse, "fsdp": run_fsdp, "api": run_api}
+RUNNERS = {"ddp": run_ddp, "zro": run_zro, "refuse": run_refuse, "fsdp": run_fsdp, "api": run_api,
+           "found": run_found}
 
 
 def worker(rank, n, todo):
@@ -421,7 +500,7 @@ FSDP_CASES = [("fsdp", impl, kind, opt, dtype, "plain") for impl in ("torch", "d
 FSDP_CASES += [("fsdp", impl, "toy", opt, "fp32", variant) for impl in ("torch", "dim0", "flat")
                for opt, variant in (("adamw", "accum"), ("sgd", "keep"), ("adamw", "noreshard"),
                                     ("sgd", "eval"))]
-RUN = DDP_CASES + ZRO_CASES + SWEEP_CASES + REFUSE_CASES + FSDP_CASES + API_CASES
+RUN = DDP_CASES + ZRO_CASES + SWEEP_CASES + REFUSE_CASES + FSDP_CASES + API_CASES + FOUND_CASES
 
 
 def cases(table, **where):
@@ -841,3 +920,19 @@ def test_wrappers_refuse_what_they_do_not_offer_in_one_line(ranks, name):
     for rank, r in enumerate(results(ranks, ("api", name))):
         assert r["raised"] in ("ValueError", "TypeError"), (name, rank, r)
         assert "\n" not in r["message"].strip() and API_REFUSED[name] in r["message"], r["message"]
+
+
+# --- what a new user's trial found (the example of each kind made a test) -----------------------
+@pytest.mark.parametrize("what", ["unused", "skip", "clip"])
+def test_zerolab_equals_torch_where_the_trial_found_differences(ranks, what):
+    """A parameter no rank used keeps p.grad None (torch's optimizers then skip it: no momentum,
+    no weight decay), under DDP with find_unused_parameters=True and under fully_shard with a
+    block skipped; clip_grad_norm_(model.parameters()) under fully_shard clips by the global
+    norm, as FSDP2's DTensor gradients do. Each equals torch's class on every rank."""
+    theirs, ours = (results(ranks, ("found", what, impl)) for impl in ("torch", "zerolab"))
+    for rank, (t, z) in enumerate(zip(theirs, ours)):
+        assert z["grad_none"] == t["grad_none"], (rank, z["grad_none"], t["grad_none"])
+        assert z["norms"] == pytest.approx(t["norms"], rel=1e-6), rank
+        assert_close(z["state"], t["state"], ATOL, f"{what} rank {rank}")
+    if what != "clip":
+        assert any(t["grad_none"]) and not all(t["grad_none"])     # the case really happened

@@ -108,6 +108,12 @@ class DDP:
             self.comm.current_phase = self.phase_before
         if self.sync and not self.find_unused:
             check_all_used(self.units, self.comm.rank)
+        if self.sync and not self.own_step:     # the loop steps: no rank's gradient -> None
+            used = global_used(self.units, self.comm) if self.find_unused else None
+            for k, u in enumerate(self.units):  # (torch's optimizers then skip it)
+                for p, on in zip(u.params, used[k] if used else u.used):
+                    p.grad = p.grad if on else None
+                u.used = [False] * len(u.params)
         self._sample("backward done")
 
     def _grads_ready(self, u):

@@ -105,8 +105,12 @@ def check_elementwise(optimizer_class, elementwise=None):
     ELEMENTWISE, or a subclass that overrides step() - unless elementwise=True says so.
     elementwise=False refuses any."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class {optimizer_class!r} is not a torch.optim.Optimizer "
-                        "subclass (pass the class, e.g. torch.optim.AdamW, not an instance)")
+        what = (f"an instance of {type(optimizer_class).__name__}"
+                if isinstance(optimizer_class, torch.optim.Optimizer) else repr(optimizer_class))
+        raise TypeError(f"optimizer_class is {what}, not a torch.optim.Optimizer subclass (pass "
+                        "the class, e.g. torch.optim.AdamW, and its arguments as keywords)")
+    if elementwise not in (None, True, False):
+        raise ValueError(f"elementwise {elementwise!r} must be None, True or False")
     name = optimizer_class.__name__
     for cls in optimizer_class.__mro__:
         if cls.__name__ in WHOLE_TENSOR and elementwise is not True:

@@ -315,7 +315,7 @@ def global_used(units: list[FlatUnit], comm) -> list[list[bool]]:
     parameter (torch DDP's `local_used_map`, find_unused_parameters=True). A parameter no rank
     used has no gradient in the single-process reference, and torch's AdamW skips it."""
     flags = torch.tensor([float(x) for u in units for x in u.used],
-                         device=units[0].master.device if units else "cpu")
+                         device=units[0].params[0].device if units else "cpu")
     comm.all_reduce(flags, what="metric", unit="used_params")
     out, i = [], 0
     for u in units:

@@ -183,7 +183,7 @@ class ZeRO3:
                                    "`with strategy.gathered(modifier_rank=r):`")
 
     def _free(self, u):
-        if self.pinned or not u.gathered:
+        if self.pinned or not u.gathered:   # (inside gathered(), or freed already)
             return
         u.unbind_params(SHARDED)
         free_params(u)
@@ -299,9 +299,9 @@ class ZeRO3:
             check_all_used(self.units, self.comm.rank)
         if self.sync:                       # the averaged gradient lives in shards only
             shard_grads(self.units, "ZeRO-3")
-            if not self.own_step:
-                for u in self.units:
-                    hand_grads(u)
+            used = global_used(self.units, self.comm) if self.find_unused else None
+            for k, u in enumerate([] if self.own_step else self.units):   # the loop's p.grad
+                hand_grads(u, used[k] if used else None, self.comm)
         self._sample("backward done")
 
     def _post_backward(self, u):

@@ -54,7 +54,15 @@ class DistributedDataParallel(torch.nn.Module):
             raise ValueError(f"device_ids {device_ids!r}: one device per rank (torch's "
                              "multi-device DDP is deprecated too)")
         if bucket_cap_mb is not None:
+            if isinstance(bucket_cap_mb, (bool, str)):
+                raise ValueError(f"bucket_cap_mb {bucket_cap_mb!r} must be a number > 0 (MiB)")
             theory.check_finite("bucket_cap_mb", bucket_cap_mb, positive=True)
+        if any(getattr(m, "_zerolab_fsdp", None) is not None for m in module.modules()):
+            raise ValueError(f"{type(module).__name__} was given to fully_shard already: it "
+                             "holds only shards; DistributedDataParallel over it is not offered")
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ValueError(f"{type(module).__name__} has no parameter that requires a gradient: "
+                             "DistributedDataParallel has nothing to average (torch refuses too)")
         self.module = module
         self.comm = comm if comm is not None else Comm(process_group)
         blocks = None if hasattr(module, "zero_units") else module_blocks(module)

@@ -45,6 +45,14 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype)
+                                          and value.is_floating_point):
+                raise ValueError(f"{name} {value!r} must be None or a floating torch.dtype "
+                                 "(torch.bfloat16, torch.float16, torch.float32)")
+
 
 class FSDPModule:
     """Methods fully_shard adds to the module's class (FSDP2's FSDPModule)."""
@@ -121,6 +129,10 @@ def fully_shard(module: torch.nn.Module, *, mesh=None, reshard_after_forward=Non
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward {reshard_after_forward!r} must be True or False "
                          "(an int, ZeRO++'s hpZ, is not offered)")
+    if type(mp_policy).__name__ == "MixedPrecisionPolicy" and not isinstance(
+            mp_policy, MixedPrecisionPolicy):           # torch's own: the same four fields
+        mp_policy = MixedPrecisionPolicy(**{f.name: getattr(mp_policy, f.name)
+                                            for f in dataclasses.fields(MixedPrecisionPolicy)})
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy {mp_policy!r} is not a MixedPrecisionPolicy")
     if layout not in ("dim0", "flat"):
@@ -190,7 +202,9 @@ def fully_shard(module: torch.nn.Module, *, mesh=None, reshard_after_forward=Non
     state = _State(comm, unit, mp_policy, [])
     state.frozen = frozen if mp_policy.param_dtype is not None else []
     module._zerolab_fsdp = state
-    state.strategy = ZeRO3(module, comm, units=units, own_step=False, keep_root=True)
+    # find_unused_parameters: a parameter no rank used keeps .grad None, as in FSDP2
+    state.strategy = ZeRO3(module, comm, units=units, own_step=False, keep_root=True,
+                           find_unused_parameters=True)
     state.hooks += [module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True),
                     module.register_forward_hook(_post_forward)]
     cls = type(module)

@@ -66,6 +66,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             inner.append({"params": [p for p in u.pieces if p is not None], **hyper})
         inner = [g for g in inner if g["params"]]
         self.optim = optimizer_class(inner, **defaults) if inner else None
+        full = (self.optim or optimizer_class([torch.zeros(1, requires_grad=True)],
+                                               **defaults)).defaults
+        for group in (*self.param_groups, self.defaults):     # every hyperparameter, as
+            for key, value in full.items():                   # torch's class shows them
+                group.setdefault(key, value)
         self._inner_groups = [k for k, u in enumerate(self.units)
                               if any(p is not None for p in u.pieces)]
 
@@ -109,11 +114,26 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self):
-        """This rank's optimizer state (its pieces only), as torch's Optimizer.state_dict of
-        `optim`; torch's class consolidates to one rank first (consolidate_state_dict)."""
-        return self.optim.state_dict() if self.optim is not None else {}
+        """This rank's optimizer state (its pieces only: torch's Optimizer.state_dict of `optim`)
+        with the rank and world size it belongs to. torch's class consolidates every rank's
+        state on one rank first; here each rank saves its own (zerolab.run.checkpoint's way)."""
+        return {"zerolab_rank": self.comm.rank, "zerolab_world_size": self.comm.world_size,
+                "optim": self.optim.state_dict() if self.optim is not None else None}
 
     def load_state_dict(self, state_dict):
-        """Load what `state_dict()` returned on this rank (same world size and groups)."""
+        """Load what `state_dict()` returned on this same rank of a group of the same size;
+        ValueError (one line) for another rank's or another world size's state."""
+        mine = (self.comm.rank, self.comm.world_size)
+        theirs = (state_dict.get("zerolab_rank"), state_dict.get("zerolab_world_size"))
+        if theirs != mine:
+            raise ValueError(f"this state is rank {theirs[0]} of {theirs[1]}'s shard; rank "
+                             f"{mine[0]} of {mine[1]} needs its own (each rank saves and loads "
+                             "its own state_dict())")
         if self.optim is not None:
-            self.optim.load_state_dict(state_dict)
+            self.optim.load_state_dict(state_dict["optim"])
+
+    def consolidate_state_dict(self, to: int = 0):
+        """Not offered: the state is split by elements, not by parameters, so no rank can hold
+        torch's per-parameter layout without the others' ranges. RuntimeError, one line."""
+        raise RuntimeError("consolidate_state_dict is not offered: save each rank's own "
+                           "state_dict() and load it on the same rank of a group of the same size")
