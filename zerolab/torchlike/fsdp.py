@@ -185,6 +185,7 @@ def fully_shard(module: torch.nn.Module, *, mesh=None, reshard_after_forward=Non
             m._parameters[attr] = shard
     # --- inner calls become blocks of this one; the outermost builds the strategy -----------
     units = [unit] if unit is not None else []
+    qual = {id(m): name for name, m in module.named_modules()}
     for name, m in inner:
         state = m._zerolab_fsdp
         if state.strategy is not None:
@@ -194,8 +195,10 @@ def fully_shard(module: torch.nn.Module, *, mesh=None, reshard_after_forward=Non
         if u is not None:
             if u.module is None:                    # it was a root: now a block of this one
                 u.modules, u.module = [m], m
-            u.names = [f"{name}.{n}" for n in u.names] if u.name == ROOT else u.names
-            u.name = name if u.name == ROOT else f"{name}.{u.name}"
+            first = {}                              # names as this module's state_dict has them
+            for mm, attr, full, _ in u.swap:
+                first.setdefault(id(full), f"{qual[id(mm)]}.{attr}")
+            u.name, u.names = name, [first[id(p)] for p in u.params]
             units.append(u)
     if not units:
         raise ValueError(f"{type(module).__name__} has no trainable parameter to shard")
