@@ -227,7 +227,7 @@ def parser(p: argparse.ArgumentParser | None = None, launcher: bool = False):
         "link_gbps": "emulated link, Gb/s per rank (zerolab systems only)",
         "out": "writes OUT/bench.json (OUT/meter_cost.json with --meter-cost)"})
     p.add_argument("--systems", default=",".join((*ZEROLAB, *TORCH)),
-                   help=f"comma list of systems, of {', '.join(SYSTEMS)}")
+                   help="comma list of systems (the torchlike ones run only when named)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds (one step of every system each)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     if launcher:
