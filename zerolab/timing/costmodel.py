@@ -315,7 +315,7 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
              f"  source: {link.source}",
              f"device {device.name}: {device.flops / 1e12:.4g} TFLOP/s x efficiency {efficiency:g}",
              f"  source: {device.source}", "",
-             f"{'stage':<20}{'compute':>10}{'comm':>10}{'no overlap':>12}{'overlap':>10}"
+             f"{'stage':<24}{'compute':>10}{'comm':>10}{'no overlap':>12}{'overlap':>10}"
              f"{'exposed':>10}   comm by op (ms)"]
     variants = [(s, False) for s in (0, 1, 2)] + [(3, False), (3, True)]
     for stage, prefetch in variants:
@@ -324,10 +324,10 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
             kw = dict(prefetch=prefetch, precision=precision, zero1_grad_op=op or "all_reduce")
             serial = step_time(stage, units, world_size, link, overlap=False, **kw)
             over = step_time(stage, units, world_size, link, overlap=True, **kw)
-            name = theory.STAGE_NAMES[stage] + (f" ({op[:6]}.)" if op else "") + (
+            name = theory.STAGE_NAMES[stage] + (f" ({op})" if op else "") + (
                 " +prefetch" if prefetch else "")
             parts = ", ".join(f"{k} {v * 1e3:.4g}" for k, v in over.by_op().items() if v)
-            lines.append(f"{name:<20}{over.compute * 1e3:>10.4g}{over.comm * 1e3:>10.4g}"
+            lines.append(f"{name:<24}{over.compute * 1e3:>10.4g}{over.comm * 1e3:>10.4g}"
                          f"{serial.total * 1e3:>12.4g}{over.total * 1e3:>10.4g}"
                          f"{over.exposed_comm * 1e3:>10.4g}   {parts}")
     t_star = zero3_comm_bound_tokens(psi / n_blocks, world_size, link, device, precision, efficiency)
