@@ -56,6 +56,21 @@ BAD_INPUTS = {     # extra argv, substrings the one error line must contain ({tm
 }
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--stgae", "3"], ["--stgae", "did you mean --stage?"]),       # a misspelled flag
+    (["memory", "--params", "7.5B"], ["--params", "'7.5B'"]),                # a value of a wrong type
+    (["tme"], ["'tme'", "'time'"]),                                          # a misspelled command
+])
+def test_a_bad_command_line_is_one_line_naming_it(argv, words, capsys):
+    """argparse's errors too: one line naming the bad flag or value (the closest flag for a
+    misspelled one), exit 2, no usage block."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert all(w in lines[0] for w in words), lines[0]
+
+
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_fails_before_any_rank_starts(case, tmp_path, capsys, no_launch):
     (tmp_path / "empty.txt").write_text("")

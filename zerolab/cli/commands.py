@@ -17,7 +17,9 @@ launch exits 1 with the failing rank's traceback; an interrupted one 130.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -63,8 +65,29 @@ def _formula(p, *names, **defaults):
         p.add_argument(*flags, **{**kw, **({"default": defaults[name]} if name in defaults else {})})
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with a bad command line told in one line, exit 2 (not the usage block): the
+    bad value and what is accepted, and for a misspelled flag the closest one
+    (`zerolab train --stgae 3` -> "did you mean --stage?")."""
+
+    def error(self, message):
+        hint = ""
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            close = difflib.get_close_matches(unknown.group(1).split("=")[0], self._flags(), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint}; see {self.prog} --help\n")
+
+    def _flags(self) -> list[str]:
+        flags = [f for a in self._actions for f in a.option_strings]
+        for action in self._actions:        # the top parser reports its commands' flags too
+            if isinstance(action, argparse._SubParsersAction):
+                flags += [f for sub in action.choices.values() for f in sub._flags()]
+        return flags
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zerolab", description="Hand-written DDP and ZeRO-1/2/3, measured.")
+    parser = OneLineParser(prog="zerolab", description="Hand-written DDP and ZeRO-1/2/3, measured.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name, text):
