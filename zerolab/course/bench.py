@@ -355,6 +355,12 @@ def format_table(summary: dict) -> str:
         "(activations and temporaries too); moved: per-rank ring bytes per step (nccl-tests "
         "convention; zerolab's from its ledger, torch's from a c10d counter); colls: "
         "collectives per step. MB = 1e6 bytes.", 100)
+    if summary["preset"] != "small":
+        lines += textwrap.wrap(
+            f"The README's ratios are for --preset small. On {summary['preset']} each step has "
+            "less compute, so costs paid once per step or per collective (Python hooks, the "
+            "ledger, launching a collective) weigh more: zerolab's ratios to torch come out "
+            "larger (zerolab DDP measured 1.6-3.9x torch DDP on nano, 0.98-1.02x on small).", 100)
     if link:
         skipped = [s for s in summary.get("requested", names) if s not in names]
         if skipped:
