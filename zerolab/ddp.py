@@ -89,7 +89,8 @@ class DDP:
             self.end_backward()
 
     def begin_backward(self, sync=True):
-        """Everything before `loss.backward()` (the torchlike wrappers call it from forward)."""
+        """Everything before `loss.backward()` (DistributedDataParallel calls it when the
+        gradient of the module's output arrives: `torchlike.backward.arm`)."""
         self.sync, self.fresh = sync, True
         check_trainable(self.model, self.units)
         for u in self.units:                # p.grad: the bucket again (the loop's zero_grad kept)
