@@ -7,7 +7,7 @@ Figures:
   memory_7p5b_n64.png     per-rank model-state memory by state and ZeRO stage, Ψ = 7.5B, N = 64
                           (the ZeRO paper's Figure 1 numbers: 120 / 31.4 / 16.6 / 1.9 GB)
   memory_7p5b_n8.png      the same at N = 8 (the notes' 16Ψ / 5.5Ψ / 3.75Ψ / 2Ψ)
-  zero_stages.png         what each of 4 ranks keeps resident at each stage: the notes' missing
+  zero_stages.png         what each of N = 4 ranks keeps resident at each stage: the notes' missing
                           figure ("memory composition for full fine-tuning of a 7.5B model, and
                           the ZeRO stages"), redrawn from theory.SHARDED_FROM_STAGE
   ring_allreduce.png      a ring all-reduce on 4 ranks: 3 reduce-scatter steps then 3 all-gather
@@ -75,14 +75,15 @@ def memory_by_stage(psi: float = 7.5e9, world_size: int = 64, optimizer_bytes=No
     return fig
 
 
-def zero_stages(psi: float = 7.5e9, world_size: int = 64, shown_ranks: int = 4):
+def zero_stages(psi: float = 7.5e9, world_size: int = 4):
     """What each rank keeps resident at each stage, drawn as the ZeRO paper draws it.
 
     Each rank's row is the 16 bytes of one parameter laid out as 2 + 2 + 12 (weights, grads,
     optimizer state); a sharded state keeps only the rank's own 1/N slice (solid), the rest is
-    held by the other ranks (outline only). GB per rank at `psi`, `world_size` on the right.
+    held by the other ranks (outline only). Every one of the `world_size` ranks is drawn, so the
+    slices are the 1/N the GB figures on the right are computed with (at `psi`, `world_size`).
     """
-    n = shown_ranks
+    n = world_size
     groups = (("params", 2), ("grads", 2), ("optimizer", 12))
     fig, axes = plt.subplots(4, 1, figsize=(8.5, 6.4), sharex=True)
     for stage, ax in zip(theory.STAGES, axes):
@@ -109,14 +110,14 @@ def zero_stages(psi: float = 7.5e9, world_size: int = 64, shown_ranks: int = 4):
             0: "every rank holds every state",
             1: "optimizer state (master, m_t, v_t) sharded",
             2: "+ gradients sharded",
-            3: "+ bf16 weights sharded (gathered one block at a time)"}[stage],
+            3: "+ bf16 weights sharded (each block gathered just before it runs)"}[stage],
             fontsize=9, loc="left")
         for side in ("top", "right", "bottom"):
             ax.spines[side].set_visible(False)
     axes[-1].set_xticks([1, 3.3, 10.6], ["bf16 weights\n2 B/param", "bf16 grads\n2 B/param",
                                           "fp32 master + m_t + v_t\n12 B/param"], fontsize=8)
-    fig.suptitle("Resident model states per rank (solid = held by this rank), "
-                 f"{n} of the N ranks drawn", fontsize=10)
+    fig.suptitle(f"Resident model states per rank, N = {n} ranks (solid = held by this rank)",
+                 fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -186,7 +187,7 @@ def ring_allreduce(n: int = 4):
 FIGURES = {
     "memory_7p5b_n64.png": lambda: memory_by_stage(7.5e9, 64),
     "memory_7p5b_n8.png": lambda: memory_by_stage(7.5e9, 8),
-    "zero_stages.png": lambda: zero_stages(7.5e9, 64),
+    "zero_stages.png": lambda: zero_stages(7.5e9, 4),
     "ring_allreduce.png": lambda: ring_allreduce(4),
 }
 
