@@ -233,3 +233,19 @@ def test_cuda_snapshot_plot_reads_json_and_never_unpickles(tmp_path):
     lab3 = json.loads((ROOT / "labs" / "lab3_step_timeline.ipynb").read_text())
     code = "".join("".join(c["source"]) for c in lab3["cells"] if c["cell_type"] == "code")
     assert "pickle" not in code and "_snapshot.json" in code
+
+
+def test_launcher_echo_drops_torchrun_banner_keeps_its_warnings():
+    """torchrun's OMP_NUM_THREADS banner (a bare log header, a row of stars, the text) is dropped
+    from what a launch echoes; a torchrun warning that says something is kept whole."""
+    from zerolab.run.launch import _noise
+    banner = ["W1201 04:48:59.123000 4242 torch/distributed/run.py:874] ",
+              "W1201 04:48:59.123000 4242 torch/distributed/run.py:874] *****************************",
+              "W1201 04:48:59.123000 4242 torch/distributed/run.py:874] Setting OMP_NUM_THREADS "
+              "environment variable for each process to be 1 in default, to avoid your system being "
+              "overloaded, please further tune the variable for optimal performance in your "
+              "application as needed."]
+    assert all(_noise(line) for line in banner)
+    real = ("W1201 04:49:01.000000 4242 torch/distributed/elastic/multiprocessing/api.py:900] "
+            "Sending process 4250 closing signal SIGTERM")
+    assert not _noise(real) and not _noise("[stage 0] step 1/2  loss 5.4819")
