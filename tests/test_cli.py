@@ -60,6 +60,9 @@ BAD_INPUTS = {     # extra argv, substrings the one error line must contain ({tm
     (["train", "--stgae", "3"], ["--stgae", "did you mean --stage?"]),       # a misspelled flag
     (["memory", "--params", "7.5B"], ["--params", "'7.5B'"]),                # a value of a wrong type
     (["tme"], ["'tme'", "'time'"]),                                          # a misspelled command
+    (["whatif", "--params", "7.5e9"],                                        # another command's flag
+     ["zerolab whatif", "--params is an option of zerolab memory / time"]),
+    (["whatif", "--world-sise", "8"], ["zerolab whatif", "did you mean --world-size?"]),  # own flag
 ])
 def test_a_bad_command_line_is_one_line_naming_it(argv, words, capsys):
     """argparse's errors too: one line naming the bad flag or value (the closest flag for a
