@@ -34,11 +34,29 @@ def _bench(out, *extra):
 def bench_nano(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     stdout = _bench(out, "--systems", SYSTEMS)
-    return stdout, {r["system"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    summary = json.loads((out / "bench.json").read_text())
+    return stdout, {r["system"]: r for r in summary["rows"]}, summary
+
+
+def test_bench_states_per_parameter(bench_nano):
+    """fp32 on CPU: zerolab keeps an fp32 master copy even in fp32 (theory.bytes_per_param), so
+    its DDP holds 4 + 4 + 4 + 4 + 4 = 20 bytes per parameter; torch's AdamW steps the weights in
+    place: 16. The table says so, in a B/Ψ column and its footnote."""
+    stdout, rows, summary = bench_nano
+    psi = num_params(GPT(get_config("nano")))
+    assert summary["num_params"] == psi
+    assert rows["torch-ddp"]["state_bytes"] == 16 * psi
+    per_param = {name: sum(theory.model_state_bytes(psi, 2, stage, "fp32").values())
+                 for name, stage in (("zerolab-ddp", 0), ("zerolab-zero2", 2), ("zerolab-zero3", 3))}
+    assert per_param["zerolab-ddp"] == 20 * psi
+    for name, formula in per_param.items():          # zerolab pads each unit to a multiple of N
+        assert rows[name]["state_bytes"] == pytest.approx(formula, rel=1e-3), name
+    assert "B/Ψ" in stdout and "20.0" in stdout and "16.0" in stdout
+    assert "fp32 master copy" in stdout
 
 
 def test_bench_runs_and_counts_bytes(bench_nano):
-    stdout, rows = bench_nano
+    stdout, rows, _ = bench_nano
     assert "x torch DDP" in stdout
     psi = num_params(GPT(get_config("nano")))
     ddp = sum(theory.traffic_bytes(psi, 2, 0, "fp32").values())
@@ -63,7 +81,7 @@ def test_bench_runs_and_counts_bytes(bench_nano):
 
 
 def test_bench_peak_column(bench_nano):
-    stdout, rows = bench_nano
+    stdout, rows, _ = bench_nano
     assert "peak MB" in stdout
     for name, r in rows.items():
         assert len(r["peak_bytes_by_rank"]) == 2 and r["peak_bytes"] == max(r["peak_bytes_by_rank"])

@@ -1,7 +1,8 @@
 """The cost model against numbers derived by hand (in the comments) from the α-β ring formulas.
 
-Sources: nccl-tests PERFORMANCE.md (ring bytes 2(n-1)/n and (n-1)/n), scaling-book (α-β model,
-6Ψ FLOPs per token), NVIDIA datasheets for the profiles.
+Sources: nccl-tests PERFORMANCE.md (ring bytes 2(n-1)/n and (n-1)/n), scaling-book (α-β model),
+NVIDIA/nccl#457 (a tree all_reduce sends 2S per rank), PaLM appendix B (6Ψ + 12·L·d·T FLOPs per
+token, checked here against torch's FlopCounterMode), NVIDIA datasheets for the profiles.
 """
 from __future__ import annotations
 
@@ -40,13 +41,102 @@ def test_ring_latency_grows_with_n_and_bandwidth_term_saturates():
 
 def test_compute_time_six_psi_per_token():
     dev = hw.Device("d", 1e15)
-    # 1e9 params x 1000 tokens x 6 FLOPs / 1e15 FLOP/s = 6 ms; forward is a third, backward two
-    assert cm.compute_time(1e9, 1000, dev) == pytest.approx(6e-3)
-    assert cm.compute_time(1e9, 1000, dev, passes="fwd") == pytest.approx(2e-3)
-    assert cm.compute_time(1e9, 1000, dev, passes="bwd") == pytest.approx(4e-3)
-    assert cm.compute_time(1e9, 1000, dev, efficiency=0.5) == pytest.approx(12e-3)
-    with pytest.raises(ValueError, match="efficiency"):
-        cm.compute_time(1, 1, dev, efficiency=0)
+    # 1e9 params x 1000 tokens x 6 FLOPs / 1e15 FLOP/s = 6 ms at peak; forward a third, backward two
+    assert cm.compute_time(1e9, 1000, dev, mfu=1.0) == pytest.approx(6e-3)
+    assert cm.compute_time(1e9, 1000, dev, passes="fwd", mfu=1.0) == pytest.approx(2e-3)
+    assert cm.compute_time(1e9, 1000, dev, passes="bwd", mfu=1.0) == pytest.approx(4e-3)
+    # the default is a realistic MFU, 0.4 (Llama 3: 38-43 % on H100s), not the datasheet peak
+    assert cm.MFU == 0.4 and cm.compute_time(1e9, 1000, dev) == pytest.approx(6e-3 / 0.4)
+    with pytest.raises(ValueError, match="mfu 0 is not in"):
+        cm.compute_time(1, 1, dev, mfu=0)
+
+
+def test_mfu_scales_compute_by_exactly_one_over_mfu():
+    dev, link = hw.DEVICES["h100"], hw.LINKS["ib-ndr"]
+    peak = cm.compute_time(7.5e9, 4096, dev, mfu=1.0, n_layer=32, d_model=4096, seq_len=2048)
+    t_peak = cm.zero3_comm_bound_tokens(2e8, 64, link, dev, mfu=1.0, d_model=4096, seq_len=2048)
+    for m in (0.3, 0.4, 0.5, 1.0):
+        t = cm.compute_time(7.5e9, 4096, dev, mfu=m, n_layer=32, d_model=4096, seq_len=2048)
+        assert t * m == pytest.approx(peak, rel=1e-12)
+        # slower compute hides the same gather with fewer tokens: T* scales with MFU
+        assert cm.zero3_comm_bound_tokens(2e8, 64, link, dev, mfu=m, d_model=4096,
+                                          seq_len=2048) == pytest.approx(m * t_peak, rel=1e-12)
+        units = cm.uniform_units(1e9, 4, 1000, dev, m)
+        assert [u.fwd_s * m for u in units] == pytest.approx([2 * 2.5e8 * 1000 / 989e12] * 4)
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, 1.5, float("nan"), True, "0.4"])
+def test_bad_mfu_is_refused_naming_the_range(bad):
+    with pytest.raises(ValueError, match=r"is not in \(0, 1\]"):
+        cm.check_mfu(bad)
+
+
+def test_attention_flops_match_torchs_flop_counter():
+    """6Ψ + 12·L·d·T per token against torch's FlopCounterMode on the course's GPT (math SDPA, so
+    that QKᵀ and AV are counted matmuls): the Linear weights' matmuls are 6 FLOPs per weight per
+    token (forward, grad of input, grad of weight), the rest is attention: 12·L·d·T exactly."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zerolab.model import GPT, get_config
+    cfg = get_config("tiny")                       # L = 4, d = 64, T = 64
+    model = GPT(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x, x).backward()
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    per_token = counter.get_total_flops() / x.numel()
+    ours = cm.flops_per_token(weights, n_layer=cfg.n_layer, d_model=cfg.n_embd,
+                              seq_len=cfg.block_size)
+    assert ours == per_token
+    assert ours - 6 * weights == 12 * 4 * 64 * 64
+    # forward alone is a third: 2Ψ + 4·L·d·T
+    assert cm.flops_per_token(weights, n_layer=4, d_model=64, seq_len=64, passes="fwd") == (
+        2 * weights + 4 * 4 * 64 * 64)
+
+
+def test_tree_all_reduce_latency_grows_with_log2_n():
+    lat = Link("lat", bandwidth=1e30, latency=1.0)          # latency only: times count α's
+    for k in range(1, 11):
+        n = 2 ** k
+        assert cm.collective_time("all_reduce", 8, n, lat, "tree") == pytest.approx(2 * k)
+        assert cm.collective_time("all_reduce", 8, n, lat) == pytest.approx(2 * (n - 1))
+        assert cm.collective_time("all_reduce", 8, n, lat, "auto") == pytest.approx(min(2 * k, 2 * (n - 1)))
+    # not a power of two: the tree's depth rounds up, ⌈log2 1000⌉ = 10
+    assert cm.collective_time("all_reduce", 8, 1000, lat, "tree") == pytest.approx(20)
+    # NCCL has no tree reduce_scatter / all_gather: they stay rings under every algorithm
+    for op in ("reduce_scatter", "all_gather"):
+        assert cm.collective_time(op, 8, 1024, lat, "tree") == pytest.approx(1023)
+    # bandwidth only: a tree all_reduce sends 2S per rank, the ring 2(n-1)/n · S
+    bw = Link("bw", bandwidth=1.0, latency=0.0)
+    assert cm.collective_time("all_reduce", 10, 4, bw, "tree") == pytest.approx(20)
+    assert cm.collective_time("all_reduce", 10, 4, bw, "auto") == pytest.approx(15)
+    assert cm.collective_time("all_reduce", 10, 1, bw, "tree") == 0.0
+    with pytest.raises(ValueError, match="'nvls'"):
+        cm.collective_time("all_reduce", 8, 4, lat, "nvls")
+
+
+def test_ring_and_tree_at_1024_ranks_on_ib_ndr():
+    link = hw.LINKS["ib-ndr"]                                  # α = 5 us
+    ring = cm.collective_time("all_reduce", 8, 1024, link)
+    tree = cm.collective_time("all_reduce", 8, 1024, link, "tree")
+    # (8 bytes add well under a microsecond)
+    assert ring == pytest.approx(2046 * 5e-6, rel=1e-5) and tree == pytest.approx(20 * 5e-6, rel=1e-5)
+    note = cm.latency_note(1024, link)
+    assert "2(n-1)·α = 10.2 ms" in note and "2·⌈log2 n⌉·α = 0.1 ms" in note and "--algo auto" in note
+
+
+def test_step_time_auto_models_only_the_all_reduces_as_trees():
+    lat = Link("lat", bandwidth=1e30, latency=1.0)
+    units = [Unit("block.0", 1, 0.0, 0.0), Unit("block.1", 1, 0.0, 0.0)]
+    # DDP, no compute: two all_reduces back to back; ring 2·15 α each, tree 2·4 α each
+    assert cm.step_time(0, units, 16, lat).total == pytest.approx(60)
+    assert cm.step_time(0, units, 16, lat, algorithm="auto").total == pytest.approx(16)
+    # ZeRO-2: two reduce_scatters and two all_gathers stay rings (15 α each); the norm all_reduce
+    # (4 bytes) is the only tree: 4·15 + 8 = 68 instead of 4·15 + 30 = 90
+    assert cm.step_time(2, units, 16, lat).total == pytest.approx(90)
+    assert cm.step_time(2, units, 16, lat, algorithm="auto").total == pytest.approx(68)
 
 
 # Two blocks, forward 1 s and backward 2 s each; n = 2 and α = 0, so with bf16 (2 bytes per
@@ -103,9 +193,19 @@ def test_comm_bound_threshold_is_where_gather_equals_compute():
     t_star = cm.zero3_comm_bound_tokens(psi_b, n, link, dev)
     gather = cm.collective_time("all_gather", 2 * psi_b, n, link)
     assert cm.compute_time(psi_b, t_star, dev, passes="fwd") == pytest.approx(gather)
-    # closed form with α = 0: (n-1)/n · F/β = 63/64 · 989e12 / 50e9 = 19,471.9 tokens
+    # closed form with α = 0: (n-1)/n · F·MFU/β = 63/64 · 989e12 / 50e9 = 19,471.9 tokens at peak
     no_alpha = Link("x", link.bandwidth, 0.0)
-    assert cm.zero3_comm_bound_tokens(psi_b, n, no_alpha, dev) == pytest.approx(63 / 64 * 989e12 / 50e9)
+    assert cm.zero3_comm_bound_tokens(psi_b, n, no_alpha, dev, mfu=1.0) == pytest.approx(
+        63 / 64 * 989e12 / 50e9)
+    assert cm.zero3_comm_bound_tokens(psi_b, n, no_alpha, dev) == pytest.approx(
+        0.4 * 63 / 64 * 989e12 / 50e9)
+    # attention adds 4·d·T forward FLOPs per token to the block's 2Ψ_b: T* falls by that ratio
+    with_attn = cm.zero3_comm_bound_tokens(psi_b, n, no_alpha, dev, d_model=4096, seq_len=2048)
+    assert with_attn == pytest.approx(0.4 * 63 / 64 * 989e12 / 50e9 * 2 * psi_b
+                                      / (2 * psi_b + 4 * 4096 * 2048))
+    at_t = cm.zero3_comm_bound_tokens(psi_b, n, link, dev, d_model=4096, seq_len=2048)
+    assert cm.compute_time(psi_b, at_t, dev, passes="fwd", n_layer=1, d_model=4096,
+                           seq_len=2048) == pytest.approx(gather)
 
 
 def test_profiles_have_sources_and_custom_values():
@@ -120,12 +220,24 @@ def test_profiles_have_sources_and_custom_values():
 
 
 def test_cli_time_prints_stages_and_threshold():
-    out = subprocess.run([sys.executable, "-m", "zerolab", "time", "--params", "7.5e9",
-                          "--world-size", "64", "--tokens-per-rank", "4096", "--link", "ib-ndr",
-                          "--device", "h100"], capture_output=True, text=True, timeout=60)
+    argv = [sys.executable, "-m", "zerolab", "time", "--params", "7.5e9", "--world-size", "64",
+            "--tokens-per-rank", "4096", "--link", "ib-ndr", "--device", "h100"]
+    out = subprocess.run(argv + ["--mfu", "1", "--seq-len", "0"], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
-    # 63/64 · 989e12/50e9 = 19,472 plus 63 · 5 us · 989e12 / (2 · 7.5e9/32) = 665: 20,136
+    # at peak, 6Ψ only: 63/64 · 989e12/50e9 = 19,472 plus 63 · 5 us · 989e12 / (2 · 7.5e9/32)
+    # = 665: 20,136
     assert "ZeRO-3 +prefetch" in out.stdout and "T* = 20,136 tokens" in out.stdout
+    # the defaults: MFU 0.4 and attention at T = 2048, d = 4416 (Ψ ≈ 12·L·d², L = 32): the
+    # gather (20,136 · 2Ψ_b / F at peak) over (2Ψ_b + 4·d·T) FLOPs per token at 0.4 F
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    block = 7.5e9 / 32
+    t_star = 20_136.4 * 2 * block * 0.4 / (2 * block + 4 * 4416 * 2048)
+    assert f"T* = {t_star:,.0f} tokens" in out.stdout, out.stdout
+    assert "MFU 0.4" in out.stdout and "Llama 3" in out.stdout
+    share = 12 * 32 * 4416 * 2048 / (6 * 7.5e9 + 12 * 32 * 4416 * 2048)
+    assert f"attention's 12·L·d·T is {share:.1%}" in out.stdout
+    assert "collectives: ring" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "zerolab", "time", "--link", "wifi"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'wifi'" in bad.stderr and len(bad.stderr.splitlines()) == 1
@@ -191,3 +303,13 @@ def test_zerolab_time_refuses_more_blocks_than_it_can_replay(argv, says, capsys)
     assert cli.main(["time", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+@pytest.mark.parametrize("command", ["time", "whatif"])
+@pytest.mark.parametrize("bad", ["0", "1.5", "-1", "nan"])
+def test_zerolab_refuses_a_bad_mfu_in_one_line(command, bad, capsys):
+    """--mfu outside (0, 1] is refused before anything runs (whatif: before the fake world)."""
+    from zerolab import cli
+    assert cli.main([command, "--mfu", bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--mfu {float(bad)!r} is not in (0, 1]" in err[0], err

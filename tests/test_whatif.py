@@ -1,5 +1,7 @@
 """whatif (one rank of a fake large world, meta tensors) against the formulas and against a real
-4-rank gloo run of the same preset: same bytes by state on every rank, same ledger bytes."""
+4-rank gloo run of the same preset: same bytes by state on every rank, same ledger bytes; its
+peak holds the fp32 gradient copies of the optimizer step, and its time counts attention's FLOPs
+at the preset's shape and a realistic MFU."""
 from __future__ import annotations
 
 import pytest
@@ -8,13 +10,19 @@ from conftest import run_ranks
 
 from zerolab import STRATEGIES, theory
 from zerolab.timing import whatif
+from zerolab.timing.hardware import DEVICES, LINKS
 from zerolab.comm import Comm
 from zerolab.model import GPT, get_config
 from zerolab.sharding import storage_bytes
 
 
-def test_1b_at_1024_ranks_matches_the_formula():
-    reports = whatif.whatif("1b", 1024)
+@pytest.fixture(scope="module")
+def reports_1b():
+    return whatif.whatif("1b", 1024)
+
+
+def test_1b_at_1024_ranks_matches_the_formula(reports_1b):
+    reports = reports_1b
     assert [r["stage"] for r in reports] == [0, 1, 2, 3]
     for r in reports:
         assert r["world_size"] == 1024 and r["num_params"] == 1_211_224_064
@@ -59,3 +67,44 @@ def test_bad_input():
         whatif.whatif("nano", 8, rank=8)
     with pytest.raises(ValueError, match="'huge'"):
         whatif.whatif("huge", 8)
+
+
+def test_peak_counts_the_fp32_gradient_copies(reports_1b):
+    """On meta every storage's data_ptr is 0, so telling the fp32 copies from views of the bf16
+    gradient buffer by data_ptr counted none: DDP's peak read 16Ψ. In the optimizer step DDP holds
+    16Ψ + 4Ψ of fp32 copies, ZeRO-1 4Ψ + 12Ψ/N + 4Ψ/N (theory.peak_step_bytes)."""
+    for r in reports_1b[:2]:
+        psi = r["num_params_padded"]
+        assert r["peak"]["grad_fp32"] == theory.grad_copy_bytes(psi, 1024, r["stage"])
+        assert r["peak_total"] == theory.peak_step_bytes(psi, 1024, r["stage"])
+    assert reports_1b[0]["peak_total"] == 20 * reports_1b[0]["num_params_padded"]
+
+
+def test_step_times_count_attention_and_mfu(reports_1b):
+    ddp = reports_1b[0]
+    dev, link = DEVICES["h100"], LINKS["ib-ndr"]
+    assert ddp["shape"] == {"n_layer": 24, "d_model": 2048, "seq_len": 1024}
+    # by hand: (6Ψ + 12·L·d·T) FLOPs per token, 4096 tokens, at 989e12 x 0.4 FLOP/s
+    flops = (6 * ddp["num_params"] + 12 * 24 * 2048 * 1024) * 4096
+    for mfu in (0.4, 1.0):
+        t = whatif.step_times(ddp, link, dev, 4096, mfu=mfu)
+        assert t["overlap"].compute == pytest.approx(flops / (989e12 * mfu), rel=1e-12)
+    # tree all_reduces at N = 1024: DDP's 25 all_reduces pay 20 α instead of 2046 α each
+    ring = whatif.step_times(ddp, link, dev, 4096)["no_overlap"].total
+    auto = whatif.step_times(ddp, link, dev, 4096, algorithm="auto")["no_overlap"].total
+    assert ring - auto == pytest.approx(25 * (2046 - 20) * 5e-6, rel=1e-3)
+
+
+def test_format_whatif_says_what_peak_mfu_and_algorithm_are(reports_1b):
+    text = whatif.format_whatif(reports_1b, LINKS["ib-ndr"], DEVICES["h100"], 4096)
+    assert "peak: the largest total the memory meter saw during the step" in text
+    assert "fp32 gradient copies" in text and "activations are not counted" in text
+    assert "MFU 0.4" in text and "12·L·d·T" in text and "L = 24, d = 2048, T = 1024" in text
+    assert "collectives: ring. At N = 1024" in text
+    with pytest.raises(ValueError, match="mfu 2 is not in"):
+        whatif.format_whatif(reports_1b, LINKS["ib-ndr"], DEVICES["h100"], 4096, mfu=2)
+
+
+def test_unit_layers():
+    assert [whatif.unit_layers(n) for n in ("root", "block.3", "block.0-2", "block.10-11")] == [
+        0, 1, 3, 2]

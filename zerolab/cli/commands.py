@@ -56,6 +56,14 @@ FORMULA = {
                                                       "(timing/hardware.py; a wrong name lists them)")),
     "device": (("--device",), dict(default="h100", help="a named device profile "
                                                         "(timing/hardware.py)")),
+    "mfu": (("--mfu", "--efficiency"), dict(type=float, default=0.4, help=(
+        "model FLOPs utilization: the fraction of the device's peak FLOP/s training reaches, "
+        "in (0, 1] (default 0.4: Llama 3 reports 0.38-0.43 on H100s, PaLM 0.462 on TPU v4; "
+        "1 = the datasheet peak)"))),
+    "algo": (("--algo",), dict(default="ring", choices=("ring", "tree", "auto"), help=(
+        "how all_reduce is modelled: ring, 2(n-1)α latency; tree, 2·⌈log2 n⌉α (NCCL's tree); "
+        "auto, the cheaper of the two per collective. reduce_scatter / all_gather are always "
+        "rings (NCCL has no tree for them)"))),
 }
 
 
@@ -125,15 +133,29 @@ def build_parser() -> argparse.ArgumentParser:
                     help="custom α, us per ring step (default: the named link's)")
     _formula(tm, "device")
     tm.add_argument("--device-tflops", type=positive_number, default=None, help="custom peak, TFLOP/s")
-    tm.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak reached (MFU)")
-    _formula(tm, "precision")
+    _formula(tm, "mfu")
+    tm.add_argument("--d-model", type=int, default=None, help=(
+        "width d of each block for attention's 12·L·d·T FLOPs per token (default: from "
+        "Ψ ≈ 12·L·d², L = --blocks)"))
+    tm.add_argument("--seq-len", type=number, default=2048, help=(
+        "tokens per sequence T for attention's FLOPs, at most --tokens-per-rank; 0: the 6Ψ rule "
+        "alone"))
+    _formula(tm, "algo", "precision")
+    tm.description = ("Step time of DDP and ZeRO-1/2/3 from the α-β cost model: compute (6Ψ + "
+                      "12·L·d·T) FLOPs per token at peak x MFU, collectives on one in-order link.")
 
     wi = command("whatif", "one rank of a large world on a fake process group (timing/whatif.py)")
     wi.add_argument("--preset", default="1b", help="nano, tiny, small, gpt2, medium, 1b")
     _formula(wi, "world_size", world_size=1024)
     wi.add_argument("--rank", type=int, default=0, help="which rank to run")
     wi.add_argument("--stage", "--stages", dest="stages", default="0,1,2,3", help="stage or comma list")
-    _formula(wi, "precision", "tokens", "link", "device")
+    _formula(wi, "precision", "tokens", "link", "device", "mfu", "algo")
+    wi.description = ("One training step of each stage for one rank of a fake world: per-rank "
+                      "bytes by state from the code (formula in brackets) and 'peak', the "
+                      "largest total the memory meter saw during the step: the model states plus "
+                      "the transients (ZeRO-3's gathered blocks, gradient buckets in flight, "
+                      "reduce_scatter outputs, fp32 gradient copies in the optimizer step; no "
+                      "activations). Time from the cost model at the preset's shape.")
 
     from ..course import bench
     bench.parser(command("bench", "zerolab stages vs torch DDP / ZeRO optimizer / FSDP2, "
@@ -199,22 +221,30 @@ def cmd_memory(args) -> int:
 
 
 def cmd_time(args) -> int:
-    from ..timing import costmodel, hardware
+    from ..timing import costmodel, hardware, timetable
     theory.check_world_size(args.world_size)
+    costmodel.check_mfu(args.mfu, "--mfu")
+    if args.d_model is not None and args.d_model < 1:
+        raise ValueError(f"--d-model {args.d_model} must be >= 1")
+    if args.seq_len < 0:
+        raise ValueError(f"--seq-len {args.seq_len:g} must be >= 0")
     link = hardware.get_link(args.link, args.link_gbps, args.link_latency_us)
     device = hardware.get_device(args.device, args.device_tflops)
-    print(costmodel.format_time_table(args.params, args.world_size, args.tokens_per_rank, link, device,
-                                      args.blocks, args.precision, args.efficiency))
+    print(timetable.format_time_table(args.params, args.world_size, args.tokens_per_rank, link, device,
+                                      args.blocks, args.precision, args.mfu, d_model=args.d_model,
+                                      seq_len=args.seq_len, algorithm=args.algo))
     return 0
 
 
 def cmd_whatif(args) -> int:
-    from ..timing import hardware, whatif
+    from ..timing import costmodel, hardware, whatif
     theory.check_world_size(args.world_size)
+    costmodel.check_mfu(args.mfu, "--mfu")
     link, device = hardware.get_link(args.link), hardware.get_device(args.device)
     reports = whatif.whatif(args.preset, args.world_size, options.parse_stages(args.stages),
                             rank=args.rank, precision=args.precision)
-    print(whatif.format_whatif(reports, link, device, args.tokens_per_rank, args.precision))
+    print(whatif.format_whatif(reports, link, device, args.tokens_per_rank, args.precision,
+                               args.mfu, args.algo))
     return 0
 
 

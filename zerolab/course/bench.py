@@ -23,7 +23,13 @@ memory meter sampling, idle and absent (course/metercost.py, the same options).
     zerolab bench --nproc 2 --preset small --rounds 7
     zerolab bench --preset small --meter-cost --rounds 21
 
-All systems run fp32 on CPU (torch DDP's bf16 mixed precision needs CUDA events). With
+All systems run fp32 on CPU (torch DDP's bf16 mixed precision needs CUDA events). Model states
+per rank ("states MB", and "B/Ψ" = states / Ψ) therefore differ by design: zerolab's stages keep
+a separate fp32 master copy even in fp32 (`theory.bytes_per_param`: every stage runs the code
+path of bf16 mixed precision), so zerolab DDP holds 20 bytes per parameter = weight 4 + gradient
+4 + master 4 + exp_avg 4 + exp_avg_sq 4 (ZeRO-1/2/3 shard them: 8 + 12/N, 4 + 16/N, 20/N);
+torch's AdamW updates the fp32 weights in place, no master copy: torch DDP 16 bytes (4 + 4 + 4 +
+4), FSDP2 16/N; the torchlike-* systems step torch's AdamW too (no master copy). With
 --link-gbps only zerolab's systems run: the emulator sits in zerolab's Comm, torch's collectives
 do not pass through it. On a shared machine the figures are noisy: read the spread.
 Gradient bucket size: `--bucket-mb MB` for every zerolab DDP / ZeRO-1 / ZeRO-2 system, or a
@@ -49,7 +55,7 @@ from .. import STRATEGIES, theory
 from ..timing import linkemu
 from ..comm import Comm
 from ..data import get_batch, load_tokens, rank_slice
-from ..model import GPT, get_config
+from ..model import GPT, get_config, num_params
 from ..run import options
 from ..run.options import check_seed
 from ..run.rank import rank_entry
@@ -322,7 +328,10 @@ def run(args) -> dict | None:
         row["vs_torch_ddp"] = row["median_s"] / ref["torch-ddp"] if "torch-ddp" in ref else None
         row["vs_fsdp2"] = (row["median_s"] / ref["fsdp2-reshard"] if "fsdp2-reshard" in ref
                            else None)
-    return {"preset": args.preset, "world_size": n, "rounds": args.rounds, "warmup": args.warmup,
+    with torch.device("meta"):
+        psi = num_params(GPT(cfg))
+    return {"preset": args.preset, "world_size": n, "num_params": psi, "rounds": args.rounds,
+            "warmup": args.warmup,
             "batch_size": args.batch_size, "precision": "fp32", "backend": dist.get_backend(),
             "bucket_mb": args.bucket_mb,
             "requested": [s.strip() for s in args.systems.split(",") if s.strip()],
@@ -339,19 +348,25 @@ def format_table(summary: dict) -> str:
              + (f", zerolab buckets {summary['bucket_mb']:g} MiB" if summary.get("bucket_mb")
                 else ""),
              f"{'system':<24}{'median ms':>10}{'min-max ms':>16}{'x torch DDP':>12}{'x FSDP2':>9}"
-             f"{'states MB':>11}{'peak MB':>9}{'moved MB':>10}{'colls':>7}"]
+             f"{'states MB':>11}{'B/Ψ':>6}{'peak MB':>9}{'moved MB':>10}{'colls':>7}"]
+    psi = summary.get("num_params")
     for r in summary["rows"]:
         ratio = (lambda v: f"{v:.2f}" if v is not None else "-")
         spread = f"{r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}"
+        per_param = f"{r['state_bytes'] / psi:.1f}" if psi else "-"
         lines.append(f"{r['system']:<24}{r['median_s'] * 1e3:>10.1f}{spread:>16}"
                      f"{ratio(r['vs_torch_ddp']):>12}{ratio(r['vs_fsdp2']):>9}"
-                     f"{r['state_bytes'] / 1e6:>11.2f}{r['peak_bytes'] / 1e6:>9.2f}"
+                     f"{r['state_bytes'] / 1e6:>11.2f}{per_param:>6}{r['peak_bytes'] / 1e6:>9.2f}"
                      f"{r['bytes_per_step'] / 1e6:>10.2f}"
                      f"{r['collectives_per_step']:>7}")
     names = [r["system"] for r in summary["rows"]]
     lines += textwrap.wrap(
         "x torch DDP / x FSDP2: median step time over torch-ddp's / fsdp2-reshard's. states: "
-        "model-state bytes per rank between steps; peak: MemTracker's peak during a step "
+        "model-state bytes per rank between steps; B/Ψ: states per parameter - fp32, so zerolab "
+        "DDP holds 20 (weight, gradient, fp32 master copy, exp_avg, exp_avg_sq: 4 each; zerolab "
+        "keeps the master copy in fp32 runs too) and torch DDP 16 (AdamW updates the weights in "
+        "place: no master copy), the ZeRO stages and FSDP2 less by sharding; "
+        "peak: MemTracker's peak during a step "
         "(activations and temporaries too); moved: per-rank ring bytes per step (nccl-tests "
         "convention; zerolab's from its ledger, torch's from a c10d counter); colls: "
         "collectives per step. MB = 1e6 bytes.", 100)

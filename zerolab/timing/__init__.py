@@ -1,7 +1,9 @@
 """The time side: what a step costs in seconds, modelled and measured.
 
     hardware    links (β bytes/s, α s per ring step) and devices (FLOP/s), with their sources
-    costmodel   α-β ring collectives, compute from 6Ψ FLOPs per token, a step replayed per stage
+    flops       FLOPs per token (6Ψ + 12·L·d·T, attention included) and compute time at F · MFU
+    costmodel   α-β ring (and tree) collectives, compute (flops, re-exported), a step replayed per stage
+    timetable   the `zerolab time` table: every stage replayed, ZeRO-3's threshold by MFU
     linkemu     an emulated network link for gloo runs: a collective ends no sooner than the model
     trace       one step of a rank as a Chrome / Perfetto trace; reading it back
     whatif      one rank of a world of 1024 on torch's fake process group

@@ -8,34 +8,52 @@ over the link bandwidth β (nccl-tests, scaling-book):
     all_gather              (n-1)·α  +  (n-1)/n · S/β
     broadcast (pipelined)   (n-1)·α  +            S/β
 
-Compute is FLOPs over the device's FLOP/s: forward 2Ψ, backward 4Ψ per token (6Ψ in all). A step
-is then replayed as zerolab's strategies issue it (`step_time`): one compute stream, one link that
+The ring's latency grows linearly with n. NCCL also has a (double binary) tree for all_reduce,
+2·⌈log2 n⌉·α + 2·S/β (reduce up the tree, broadcast down; each rank sends about 2S: NVIDIA's
+"Massively scale ... with NCCL 2.4" blog, NVIDIA/nccl#457), and its tuner takes whichever of its
+algorithms it estimates fastest for each call. `collective_time(..., algorithm=)`: "ring" (the
+default, what every figure of the course uses unless it says otherwise), "tree" or "auto" (the
+cheaper of the two). NCCL's tree exists for all_reduce only (NVIDIA/nccl#1473): reduce_scatter and
+all_gather stay ring here under every algorithm. Not modelled: NCCL's PAT (2.23+, logarithmic
+reduce_scatter / all_gather, one GPU per node only), NVLS / CollNet (in-switch reductions), and
+that a real ring's hops inside a node cost less than the network hops.
+
+Compute (`flops.py`, re-exported here): (6Ψ + 12·L·d·T) FLOPs per token, attention included,
+over the FLOP/s training really reaches, the device's peak x MFU (default 0.4, what large runs
+report; 1.0 is the datasheet peak, which no run reaches). A step is then replayed as
+zerolab's strategies issue it (`step_time`): one compute stream, one link that
 serves collectives in the order they were issued (NCCL runs a communicator's collectives in
 order on one stream; `linkemu` does the same). "Without overlap" waits for every collective as
 soon as it is issued; "with overlap" lets a bucket's gradient collective run during the rest of
 backward and, in ZeRO-3 with prefetch, the next block's all_gather during the current block.
 
 ZeRO-3 becomes communication-bound when a block's all_gather takes longer than its forward
-compute: (n-1)/n·2Ψ_b/β  >  2Ψ_b·T/F, i.e. below T* = (n-1)/n · F/β tokens per rank (bf16
-params; the 2 bytes per parameter cancel the 2 FLOPs per parameter), plus (n-1)·α·F/(2Ψ_b) for
-latency (`zero3_comm_bound_tokens`). Backward moves twice the bytes (all_gather + reduce_scatter)
+compute: (n-1)/n·2Ψ_b/β  >  2Ψ_b·T/(F·MFU), i.e. below T* = (n-1)/n · F·MFU/β tokens per rank
+(bf16 params; the 2 bytes per parameter cancel the 2 FLOPs per parameter), plus
+(n-1)·α·F·MFU/(2Ψ_b) for latency (`zero3_comm_bound_tokens`; attention's FLOPs, when the shape is
+given, add compute and lower T*). Backward moves twice the bytes (all_gather + reduce_scatter)
 for twice the FLOPs: the same T*.
 
     python -m zerolab time --params 7.5e9 --world-size 64 --tokens-per-rank 4096 --link ib-ndr --device h100
 
+prints `timetable.format_time_table`: this model's replay of every stage, and its T*.
+
 Not modelled: the optimizer step (memory-bound, small next to compute at these token counts),
-activation recomputation, stragglers, congestion, and efficiency below peak except through
-`efficiency` (MFU). The links and devices, with their sources: `hardware.py`.
+activation recomputation, stragglers, congestion, a link below its datasheet bandwidth. The links
+and devices, with their sources: `hardware.py`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .. import theory
+from .flops import (MFU, MFU_SOURCE, check_mfu, compute_time,  # noqa: F401 (costmodel.compute_time)
+                    flops_per_token, shape_from_params)
 from .hardware import Device, Link
 
 OPS = tuple(theory.RING_FACTOR)
-
+ALGORITHMS = ("ring", "tree", "auto")      # how an all_reduce is modelled (`collective_time`)
 
 # --- one collective, one compute -----------------------------------------------------------
 def ring_steps(op: str, n: int) -> int:
@@ -45,31 +63,36 @@ def ring_steps(op: str, n: int) -> int:
     return (2 if op == "all_reduce" else 1) * (theory.check_world_size(n) - 1)
 
 
-def collective_time(op: str, size_bytes: float, n: int, link: Link) -> float:
-    """Seconds for a ring `op` of the full array S = size_bytes on n ranks: steps·α + ring bytes/β.
+def tree_steps(n: int) -> int:
+    """Latency-bound steps of a binary-tree all_reduce: 2·⌈log2 n⌉ (reduce up, broadcast down)."""
+    return 2 * math.ceil(math.log2(theory.check_world_size(n)))
 
-    0 for n = 1 (nothing moves). Raises ValueError for an unknown op or a bad n.
-    Source: nccl-tests PERFORMANCE.md (ring bytes), scaling-book (α-β model).
+
+def check_algorithm(algorithm: str) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    return algorithm
+
+
+def collective_time(op: str, size_bytes: float, n: int, link: Link, algorithm: str = "ring") -> float:
+    """Seconds for `op` of the full array S = size_bytes on n ranks: steps·α + bytes/β.
+
+    algorithm "ring": 2(n-1)·α + 2(n-1)/n · S/β for all_reduce, (n-1)·α + (n-1)/n · S/β for
+    reduce_scatter and all_gather. "tree" (all_reduce only; the others stay ring, as in NCCL):
+    2·⌈log2 n⌉·α + 2·S/β. "auto": the cheaper of the two, as NCCL's tuner picks per call.
+    0 for n = 1 (nothing moves). Raises ValueError for an unknown op or algorithm, or a bad n.
+    Source: nccl-tests PERFORMANCE.md (ring bytes), scaling-book (α-β model), NVIDIA/nccl#457
+    (a tree all_reduce sends 2S per rank).
     """
     steps = ring_steps(op, n)
+    check_algorithm(algorithm)
     if n == 1:
         return 0.0
-    return steps * link.latency + theory.RING_FACTOR[op](n) * size_bytes / link.bandwidth
-
-
-def compute_time(psi: float, tokens: float, device: Device, *, passes: str = "fwd+bwd",
-                 efficiency: float = 1.0) -> float:
-    """Seconds of compute for `tokens` tokens through Ψ parameters: FLOPs / (F · efficiency).
-
-    passes: "fwd" (2Ψ FLOPs per token), "bwd" (4Ψ) or "fwd+bwd" (6Ψ). Attention's own FLOPs
-    (which grow with the context) are left out, as in the 6Ψ rule (Kaplan et al. 2020).
-    """
-    per_token = {"fwd": 2, "bwd": 4, "fwd+bwd": 6}
-    if passes not in per_token:
-        raise ValueError(f"passes {passes!r} is not one of {', '.join(per_token)}")
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency {efficiency!r} must be in (0, 1]")
-    return per_token[passes] * psi * tokens / (device.flops * efficiency)
+    ring = steps * link.latency + theory.RING_FACTOR[op](n) * size_bytes / link.bandwidth
+    if op != "all_reduce" or algorithm == "ring":
+        return ring
+    tree = tree_steps(n) * link.latency + 2 * size_bytes / link.bandwidth
+    return tree if algorithm == "tree" else min(ring, tree)
 
 
 # --- a step, replayed ----------------------------------------------------------------------
@@ -89,16 +112,18 @@ class Unit:
 MAX_BLOCKS = 10_000      # a transformer has tens to hundreds; the replay costs time per block
 
 
-def uniform_units(psi: float, n_blocks: int, tokens: float, device: Device,
-                  efficiency: float = 1.0) -> list[Unit]:
-    """Ψ split into `n_blocks` equal blocks, each with its 2Ψ_b·T / 4Ψ_b·T FLOPs (no root).
-    ValueError unless 1 <= n_blocks <= min(Ψ, MAX_BLOCKS)."""
+def uniform_units(psi: float, n_blocks: int, tokens: float, device: Device, mfu: float = MFU,
+                  *, d_model: int = 0, seq_len: float = 0) -> list[Unit]:
+    """Ψ split into `n_blocks` equal blocks (no root), each one transformer layer with its forward
+    (2Ψ_b + 4·d·T)·tokens and backward twice that, at F · MFU (attention only with d_model and
+    seq_len). ValueError unless 1 <= n_blocks <= min(Ψ, MAX_BLOCKS)."""
     if not 1 <= n_blocks <= min(psi, MAX_BLOCKS):
         raise ValueError(f"blocks {n_blocks!r} must be between 1 and {min(int(psi), MAX_BLOCKS):,} "
                          "(at most one per parameter, and the replay is per block)")
     b = psi / n_blocks
-    return [Unit(f"block.{i}", b, compute_time(b, tokens, device, passes="fwd", efficiency=efficiency),
-                 compute_time(b, tokens, device, passes="bwd", efficiency=efficiency))
+    shape = dict(mfu=mfu, n_layer=1, d_model=d_model, seq_len=seq_len)
+    return [Unit(f"block.{i}", b, compute_time(b, tokens, device, passes="fwd", **shape),
+                 compute_time(b, tokens, device, passes="bwd", **shape))
             for i in range(n_blocks)]
 
 
@@ -144,8 +169,9 @@ class StepTime:
 class _Replay:
     """One compute stream and one in-order link; `blocking` waits for each collective at once."""
 
-    def __init__(self, stage, n, link, overlap):
+    def __init__(self, stage, n, link, overlap, algorithm="ring"):
         self.n, self.link, self.blocking = n, link, not overlap
+        self.algorithm = check_algorithm(algorithm)
         self.t = self.link_free = 0.0
         self.out = StepTime(stage, overlap)
         self.phase = "forward"
@@ -158,7 +184,7 @@ class _Replay:
 
     def issue(self, op, size_bytes, unit) -> float:
         start = max(self.t, self.link_free)
-        end = start + collective_time(op, size_bytes, self.n, self.link)
+        end = start + collective_time(op, size_bytes, self.n, self.link, self.algorithm)
         self.link_free = end
         self.out.collectives.append(Collective(op, unit, self.phase, size_bytes, self.t, start, end))
         if self.blocking:
@@ -199,7 +225,7 @@ def merge_units(units: list[Unit], bucket_numel: float) -> list[Unit]:
 
 def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, overlap: bool = True,
               prefetch: bool | int = False, precision: str = "bf16", zero1_grad_op: str = "all_reduce",
-              clip: bool = True, keep_root: bool = False) -> StepTime:
+              clip: bool = True, keep_root: bool = False, algorithm: str = "ring") -> StepTime:
     """Replay one optimizer step (one micro-step) of zerolab's `stage` and return its timing.
 
     units: forward order; a unit named "root" is treated as `Unit` says. The collectives are
@@ -211,7 +237,9 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, ove
     prefetch (ZeRO-3): False / 0 none, True / 1 the next block, k the next k blocks, -1 all
     remaining blocks at once (FSDP's unlimited in-flight gathers). keep_root (ZeRO-3): the root
     stays gathered from forward into backward (FSDP2's default for the root), saving its second
-    all_gather. Sizes: bf16 grads and params (4 bytes each in "fp32"). Returns a StepTime (s).
+    all_gather. Sizes: bf16 grads and params (4 bytes each in "fp32"). algorithm: how every
+    all_reduce is modelled (`collective_time`: "ring", "tree" or "auto"; the others are rings).
+    Returns a StepTime (seconds).
     """
     depth = int(prefetch) if not isinstance(prefetch, bool) else int(prefetch)
     if depth < -1:
@@ -222,7 +250,7 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, ove
     gw, pw = width["grads"], width["params"]
     root = [u for u in units if u.name == "root"]
     blocks = [u for u in units if u.name != "root"]
-    sim = _Replay(stage, n, link, overlap)
+    sim = _Replay(stage, n, link, overlap, algorithm)
     grad_op = {0: "all_reduce", 1: zero1_grad_op, 2: "reduce_scatter", 3: "reduce_scatter"}[stage]
     limit = 2 if stage >= 2 else None          # buckets in flight (ZeRO-2/3 wait beyond two)
     inflight: list[float] = []
@@ -289,58 +317,43 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, ove
 
 
 def zero3_comm_bound_tokens(block_params: float, world_size: int, link: Link, device: Device,
-                            precision: str = "bf16", efficiency: float = 1.0) -> float:
+                            precision: str = "bf16", mfu: float = MFU, *, d_model: int = 0,
+                            seq_len: float = 0) -> float:
     """Tokens per rank T* below which a ZeRO-3 block's all_gather outlasts its forward compute.
 
-    all_gather(Ψ_b) = (n-1)α + (n-1)/n · w·Ψ_b/β  (w = 2 bytes in bf16) equals 2Ψ_b·T/(F·e) at
-    T* = F·e/(2Ψ_b) · [(n-1)α + (n-1)/n · w·Ψ_b/β]  =  (n-1)/n · F·e/β  (bf16, α = 0)  + latency.
-    Returns T* in tokens (0 for n = 1). Source: the module docstring; scaling-book's
-    "when is FSDP communication-bound" uses the same ratio of FLOP/s to bandwidth.
+    all_gather(Ψ_b) = (n-1)α + (n-1)/n · w·Ψ_b/β  (w = 2 bytes in bf16) equals
+    (2Ψ_b + 4·d·T_seq)·T / (F·MFU) at
+    T* = all_gather · F·MFU / (2Ψ_b + 4·d·T_seq)  =  (n-1)/n · F·MFU/β  (bf16, α = 0, no attention)
+    + latency. The attention term (the block is one layer of width d_model, sequences of seq_len
+    tokens) adds compute and lowers T*. Returns T* in tokens (0 for n = 1). Source: the module
+    docstring; scaling-book's "when is FSDP communication-bound" uses the same ratio of FLOP/s to
+    bandwidth. The all_gather is a ring under every algorithm (NCCL has no tree all_gather).
     """
+    check_mfu(mfu)
     w = theory.bytes_per_param(precision)["params"]
     t_gather = collective_time("all_gather", w * block_params, world_size, link)
-    return t_gather * device.flops * efficiency / (2 * block_params)
+    per_token = flops_per_token(block_params, n_layer=1, d_model=d_model, seq_len=seq_len,
+                                passes="fwd")
+    return t_gather * device.flops * mfu / per_token
 
 
-# --- the `zerolab time` table ------------------------------------------------------------------
-def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link: Link,
-                      device: Device, n_blocks: int = 32, precision: str = "bf16",
-                      efficiency: float = 1.0) -> str:
-    """The per-stage step time table that `zerolab time` prints (seconds shown as ms)."""
-    units = uniform_units(psi, n_blocks, tokens_per_rank, device, efficiency)
-    lines = [f"Ψ = {psi:.4g} parameters in {n_blocks} equal blocks, N = {world_size} ranks, "
-             f"{tokens_per_rank:g} tokens per rank per step, {precision}",
-             f"link {link.name}: β = {link.bandwidth / 1e9:.4g} GB/s per rank per direction "
-             f"({link.gbps:.4g} Gb/s), α = {link.latency * 1e6:.3g} us per ring step",
-             f"  source: {link.source}",
-             f"device {device.name}: {device.flops / 1e12:.4g} TFLOP/s x efficiency {efficiency:g}",
-             f"  source: {device.source}", "",
-             f"{'stage':<24}{'compute':>10}{'comm':>10}{'no overlap':>12}{'overlap':>10}"
-             f"{'exposed':>10}   comm by op (ms)"]
-    variants = [(s, False) for s in (0, 1, 2)] + [(3, False), (3, True)]
-    for stage, prefetch in variants:
-        ops = ("all_reduce", "reduce_scatter") if stage == 1 else (None,)
-        for op in ops:
-            kw = dict(prefetch=prefetch, precision=precision, zero1_grad_op=op or "all_reduce")
-            serial = step_time(stage, units, world_size, link, overlap=False, **kw)
-            over = step_time(stage, units, world_size, link, overlap=True, **kw)
-            name = theory.STAGE_NAMES[stage] + (f" ({op})" if op else "") + (
-                " +prefetch" if prefetch else "")
-            parts = ", ".join(f"{k} {v * 1e3:.4g}" for k, v in over.by_op().items() if v)
-            lines.append(f"{name:<24}{over.compute * 1e3:>10.4g}{over.comm * 1e3:>10.4g}"
-                         f"{serial.total * 1e3:>12.4g}{over.total * 1e3:>10.4g}"
-                         f"{over.exposed_comm * 1e3:>10.4g}   {parts}")
-    t_star = zero3_comm_bound_tokens(psi / n_blocks, world_size, link, device, precision, efficiency)
-    bound = "communication-bound" if tokens_per_rank < t_star else "compute-bound"
-    w = theory.bytes_per_param(precision)["params"]
-    bw_term = (world_size - 1) / world_size * w / 2 * device.flops * efficiency / link.bandwidth
-    lines += ["", "times in ms per optimizer step; 'exposed' = overlap - compute (comm not hidden)",
-              f"ZeRO-3 threshold: a block's all_gather equals its forward compute at T* = "
-              f"{t_star:,.0f} tokens per rank",
-              f"  T* = (n-1)/n · (w/2) · F/β + latency term = {bw_term:,.0f} + {t_star - bw_term:,.0f}"
-              f" (w = {w} bytes per param);"
-              f" at {tokens_per_rank:g} tokens per rank ZeRO-3 is {bound}"]
-    return "\n".join(lines)
+def latency_note(world_size: int, link: Link, algorithm: str = "ring") -> str:
+    """One line: which algorithm the collectives are modelled with, and at this N what a ring
+    all_reduce's latency costs against NCCL's tree (`collective_time`)."""
+    n = theory.check_world_size(world_size)
+    check_algorithm(algorithm)
+    if n <= 2:
+        return "collectives: ring (at N <= 2 a tree all_reduce has as many steps)"
+    ms = (lambda steps: f"{steps * link.latency * 1e3:.3g} ms")
+    ring, tree, rs = ms(ring_steps("all_reduce", n)), ms(tree_steps(n)), ms(n - 1)
+    if algorithm == "ring":
+        return (f"collectives: ring. At N = {n} a ring all_reduce pays 2(n-1)·α = {ring} of latency, "
+                f"NCCL's tree 2·⌈log2 n⌉·α = {tree} (--algo auto takes the cheaper per all_reduce); "
+                f"reduce_scatter / all_gather are rings in NCCL too, (n-1)·α = {rs} each")
+    how = "the cheaper of ring and tree" if algorithm == "auto" else "tree"
+    return (f"collectives: all_reduce by {how} (tree latency 2·⌈log2 n⌉·α = {tree}, ring's "
+            f"2(n-1)·α = {ring}); reduce_scatter / all_gather by ring, (n-1)·α = {rs} each "
+            "(NCCL has no tree for them)")
 
 
 # --- compute measured on this machine, to feed the replay ----------------------------------------

@@ -5,8 +5,12 @@ the code instead. It starts torch's fake process group (every collective returns
 nothing) in this process, builds the GPT on the meta device (shapes and dtypes, no storage), wraps
 it in the real strategy, which builds its units and shards exactly as on a cluster, runs one
 training step (forward, backward, AdamW on meta tensors) and reads what the rank holds by state
-and what its ledger says it moved. The time comes from `costmodel.step_time` replaying that
-step's units on a named link and device.
+and what its ledger says it moved. Its "peak" is the largest total the memory meter saw during
+the step: the five model states plus the transients (ZeRO-3's gathered blocks, gradient buckets
+in flight, reduce_scatter outputs, the fp32 gradient copies of the optimizer step); activations
+are not counted. The time comes from `costmodel.step_time` replaying that step's units on a named
+link and device: (6Ψ_u + 12·L_u·d·T) FLOPs per token at the device's peak x MFU (0.4 unless
+given), all_reduces as rings unless `algorithm` says "tree" or "auto".
 
     python -m zerolab whatif --preset 1b --world-size 1024
 
@@ -14,6 +18,8 @@ The fake process group is torch's test utility (torch.testing._internal.distribu
 one torch's own FSDP tests use for large worlds; it is private API and may move between releases.
 """
 from __future__ import annotations
+
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -42,11 +48,24 @@ def state_bytes(tensors) -> int:
     return total
 
 
+def grad_copies(units) -> list:
+    """The fp32 gradient copies (master.grad) that are not views of a gradient buffer, told apart
+    by StorageImpl: `sharding.grad_copies` compares data_ptr, which is 0 for every meta storage,
+    so on meta it would take every copy for a view and count none."""
+    bufs = {t.untyped_storage()._cdata for u in units
+            for t in (u.grad_flat, u.grad_shard, u.bucket) if t is not None}
+    return [u.master.grad for u in units if u.master is not None and u.master.grad is not None
+            and u.master.grad.untyped_storage()._cdata not in bufs]
+
+
 class _MetaMeter(MemoryMeter):
     """MemoryMeter that counts meta storages too (same samples, same peaks)."""
 
     def sample(self, strategy, tag: str = ""):
-        self.current = {cat: state_bytes(ts) for cat, ts in strategy.state_tensors().items()}
+        held = strategy.state_tensors()
+        if "grad_fp32" in held:
+            held["grad_fp32"] = grad_copies(strategy.units)
+        self.current = {cat: state_bytes(ts) for cat, ts in held.items()}
         for cat, b in self.current.items():
             self.peak[cat] = max(self.peak.get(cat, 0), b)
         self.peak_total = max(self.peak_total, sum(self.current.values()))
@@ -131,32 +150,59 @@ def whatif(preset: str = "1b", world_size: int = 1024, stages=(0, 1, 2, 3), *, r
             r["formula_traffic"] = theory.traffic_bytes(r["num_params_padded"], world_size, stage,
                                                         precision)
             r["preset"] = preset
+            r["shape"] = {"n_layer": cfg.n_layer, "d_model": cfg.n_embd, "seq_len": cfg.block_size}
             reports.append(r)
     return reports
 
 
+def unit_layers(name: str) -> int:
+    """Transformer layers in a unit: "block.3" 1, a merged bucket "block.0-2" 3, "root" 0."""
+    if not name.startswith("block."):
+        return 0
+    first, _, last = name.split(".", 1)[1].partition("-")
+    return int(last) - int(first) + 1 if last else 1
+
+
 def step_times(report: dict, link: hardware.Link, device: hardware.Device,
-               tokens_per_rank: float, precision: str = "bf16", efficiency: float = 1.0) -> dict:
-    """Cost-model step time (seconds) of a report's stage on its real units: 6Ψ_u FLOPs per token
-    per unit, with and without overlap (and with ZeRO-3 prefetch)."""
-    units = [costmodel.Unit(name, numel,
-                            costmodel.compute_time(numel, tokens_per_rank, device, passes="fwd",
-                                                   efficiency=efficiency),
-                            costmodel.compute_time(numel, tokens_per_rank, device, passes="bwd",
-                                                   efficiency=efficiency))
-             for name, numel in report["units"]]
+               tokens_per_rank: float, precision: str = "bf16", mfu: float = costmodel.MFU,
+               algorithm: str = "ring") -> dict:
+    """Cost-model step time (seconds) of a report's stage on its real units, with and without
+    overlap (and with ZeRO-3 prefetch). Compute per unit: (6Ψ_u + 12·L_u·d·T) FLOPs per token at
+    F · MFU, L_u the unit's layers (0 for the root: embeddings, head), d and T from the report's
+    preset ("shape"; without one, 6Ψ_u alone). algorithm: how the all_reduces are modelled."""
+    shape = report.get("shape", {})
+    units = []
+    for name, numel in report["units"]:
+        kw = dict(mfu=mfu, n_layer=unit_layers(name), d_model=shape.get("d_model", 0),
+                  seq_len=min(shape.get("seq_len", 0), tokens_per_rank))
+        units.append(costmodel.Unit(name, numel,
+                                    costmodel.compute_time(numel, tokens_per_rank, device,
+                                                           passes="fwd", **kw),
+                                    costmodel.compute_time(numel, tokens_per_rank, device,
+                                                           passes="bwd", **kw)))
     n, s = report["world_size"], report["stage"]
-    out = {"no_overlap": costmodel.step_time(s, units, n, link, overlap=False, precision=precision),
-           "overlap": costmodel.step_time(s, units, n, link, precision=precision)}
+    kw = dict(precision=precision, algorithm=algorithm)
+    out = {"no_overlap": costmodel.step_time(s, units, n, link, overlap=False, **kw),
+           "overlap": costmodel.step_time(s, units, n, link, **kw)}
     if s == 3:
-        out["prefetch"] = costmodel.step_time(s, units, n, link, prefetch=True, precision=precision)
+        out["prefetch"] = costmodel.step_time(s, units, n, link, prefetch=True, **kw)
     return out
 
 
-def format_whatif(reports: list[dict], link, device, tokens_per_rank, precision="bf16") -> str:
-    """The table `zerolab whatif` prints: bytes by state (code vs formula) and modelled time."""
+PEAK_NOTE = ("peak: the largest total the memory meter saw during the step: the five model states "
+             "plus the transients - ZeRO-3's gathered blocks, gradient buckets in flight, "
+             "reduce_scatter outputs, the fp32 gradient copies AdamW reads inside the optimizer "
+             "step; activations are not counted (notebook 10)")
+
+
+def format_whatif(reports: list[dict], link, device, tokens_per_rank, precision="bf16",
+                  mfu: float = costmodel.MFU, algorithm: str = "ring") -> str:
+    """The table `zerolab whatif` prints: bytes by state (code vs formula), the step's peak
+    (`PEAK_NOTE`) and the modelled time (at F · MFU, all_reduces by `algorithm`)."""
+    costmodel.check_mfu(mfu)
     r0 = reports[0]
     gb = 1e9
+    shape = r0.get("shape")
     lines = [f"preset {r0['preset']}: Ψ = {r0['num_params']:,} (padded {r0['num_params_padded']:,}), "
              f"rank {r0['rank']} of N = {r0['world_size']} on a fake process group, {precision}",
              "per-rank bytes after the step, from the code (formula at the padded Ψ in brackets), GB"]
@@ -167,12 +213,17 @@ def format_whatif(reports: list[dict], link, device, tokens_per_rank, precision=
         cells.append(f"{r['model_states_total'] / gb:.4g} ({sum(r['formula'].values()) / gb:.4g})")
         lines.append(f"{r['name']:<8}" + "".join(f"{c:>22}" for c in cells)
                      + f"{r['peak_total'] / gb:>10.4g}")
+    lines += textwrap.wrap(PEAK_NOTE, 110)
+    attn = (f"6Ψ + 12·L·d·T FLOPs per token (L = {shape['n_layer']}, d = {shape['d_model']}, "
+            f"T = {min(shape['seq_len'], tokens_per_rank):g})" if shape else "6Ψ FLOPs per token")
     lines += ["", f"bytes per step from the ledger (formula), GB; time from the cost model: "
-              f"{tokens_per_rank:g} tokens/rank, {device.name}, link {link.name}, ms",
+              f"{tokens_per_rank:g} tokens/rank, {device.name} at MFU {mfu:g} ({attn}), "
+              f"link {link.name}, ms",
+              costmodel.latency_note(r0["world_size"], link, algorithm),
               f"{'stage':<8}{'moved':>18}{'collectives':>13}{'no overlap':>12}{'overlap':>10}"
               f"{'prefetch':>10}"]
     for r in reports:
-        t = step_times(r, link, device, tokens_per_rank, precision)
+        t = step_times(r, link, device, tokens_per_rank, precision, mfu, algorithm)
         moved = f"{sum(r['traffic_per_step'].values()) / gb:.4g} ({sum(r['formula_traffic'].values()) / gb:.4g})"
         pre = f"{t['prefetch'].total * 1e3:.4g}" if "prefetch" in t else "-"
         lines.append(f"{r['name']:<8}{moved:>18}{r['collectives_per_step']:>13}"
