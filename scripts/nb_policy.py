@@ -1,10 +1,15 @@
-"""Apply the notebooks' output policy: keep outputs only of cells tagged `nbval-check-output`.
+"""Apply the notebooks' output policy: keep the outputs of cells tagged `nbval-check-output`, and
+the figures of cells tagged `figure`; nothing else.
 
 Policy: committed notebooks (notebooks/, labs/) carry no machine-specific noise. Cells whose
 output is deterministic (formula tables, byte counts, group layouts) are tagged
 `nbval-check-output`; they keep the outputs of the CPU reference run, and nbval compares them
-in CI. Every other cell is committed without outputs (nbval --nbval-lax only runs it).
-Execution counts and kernel-run metadata are removed everywhere.
+in CI. Cells that draw are tagged `figure` and keep their image/png outputs only (the picture of
+the CPU reference run, rendered by scripts/nb_figures.py, which also checks that every drawing
+cell has one; nbval never compares images); their text outputs (the `<Figure ...>` repr,
+progress lines) are dropped unless the cell is also tagged `nbval-check-output`. Every other
+cell is committed without outputs (nbval --nbval-lax only runs it). Execution counts and
+kernel-run metadata are removed everywhere; a cell that keeps outputs gets execution count 1.
 
     python scripts/nb_policy.py notebooks/*.ipynb labs/*.ipynb          # rewrite in place
     python scripts/nb_policy.py --check notebooks/*.ipynb labs/*.ipynb  # exit 1 if any differs
@@ -13,6 +18,20 @@ import json
 import sys
 
 TAG = "nbval-check-output"
+FIGURE_TAG = "figure"           # keeps its image/png outputs (scripts/nb_figures.py renders them)
+NO_FIGURE_TAG = "no-figure"     # draws, by its code, but shows nothing on the CPU reference run
+
+
+def _figure_only(outputs: list) -> list:
+    """The image/png outputs of a figure cell, as display_data with the PNG alone."""
+    kept = []
+    for out in outputs:
+        png = out.get("data", {}).get("image/png") if out.get("output_type") in (
+            "display_data", "execute_result") else None
+        if png:
+            meta = {k: v for k, v in out.get("metadata", {}).items() if k == "image/png"}
+            kept.append({"data": {"image/png": png}, "metadata": meta, "output_type": "display_data"})
+    return kept
 
 
 def clean(nb: dict) -> dict:
@@ -24,15 +43,21 @@ def clean(nb: dict) -> dict:
             continue
         # nbval refuses a reference cell that has outputs but no execution_count ("Unrun
         # reference cell has outputs"), so a kept cell gets a fixed count of 1.
-        keep = TAG in cell["metadata"].get("tags", [])
-        cell["execution_count"] = 1 if keep else None
-        if not keep:
-            cell["outputs"] = []
+        tags = cell["metadata"].get("tags", [])
+        if TAG not in tags:
+            cell["outputs"] = _figure_only(cell["outputs"]) if FIGURE_TAG in tags else []
+        cell["execution_count"] = 1 if TAG in tags or cell["outputs"] else None
         for out in cell["outputs"]:
             if "execution_count" in out:
                 out["execution_count"] = 1
     nb["metadata"].pop("papermill", None)
     return nb
+
+
+def write(path, nb: dict):
+    with open(path, "w") as f:
+        json.dump(nb, f, indent=1, ensure_ascii=False)
+        f.write("\n")
 
 
 def main(argv) -> int:
@@ -45,9 +70,7 @@ def main(argv) -> int:
         if new != nb:
             bad.append(path)
             if not check:
-                with open(path, "w") as f:
-                    json.dump(new, f, indent=1, ensure_ascii=False)
-                    f.write("\n")
+                write(path, new)
     if check and bad:
         print("not following the output policy (run scripts/nb_policy.py on them):", *bad, sep="\n  ")
         return 1

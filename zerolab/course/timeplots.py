@@ -27,12 +27,14 @@ def collective_timeline(runs: dict[int, list[dict]], rank: int = 0):
     op, labelled by bucket / block), over the phase they ran in."""
     stages = sorted(runs)
     fig, ax = plt.subplots(figsize=(15, 1.6 + 0.9 * len(stages)))
+    right = 0                    # boxes sit at seq - first: the skipped metric records leave gaps
     for lane, s in enumerate(stages):
         recs = step_records(runs[s][rank])
         y = len(stages) - 1 - lane
         first = recs[0]["seq"] if recs else 0
         for x in recs:
             i = x["seq"] - first
+            right = max(right, i + 1)
             ax.add_patch(plt.Rectangle((i, y - 0.42), 1, 0.84, color=PHASE_COLORS[x["phase"]], zorder=0))
             ax.barh(y, 0.9, left=i + 0.05, height=0.5, color=COLLECTIVE_COLORS[x["op"]],
                     label=x["op"] if not has_label(ax, x["op"]) else None)
@@ -40,7 +42,7 @@ def collective_timeline(runs: dict[int, list[dict]], rank: int = 0):
                     fontsize=FONT - 1, color="white")
             ax.text(i + 0.5, y - 0.4, x["phase"][0], ha="center", va="bottom", fontsize=FONT - 1, color="0.3")
     ax.set_yticks(range(len(stages)), [theory.STAGE_NAMES[s] for s in reversed(stages)], fontsize=FONT)
-    ax.set_xlim(0, max(len(step_records(runs[s][rank])) for s in stages) + 0.2)
+    ax.set_xlim(0, right + 0.2)
     ax.tick_params(axis="x", labelsize=FONT)
     ax.set_xlabel("collectives of one step, in issue order (background / small letter: "
                   "f = forward, b = backward, s = step)", fontsize=FONT)
