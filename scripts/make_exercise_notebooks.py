@@ -1,5 +1,6 @@
-"""Write notebooks/exercises/*.ipynb from the package: one notebook per coding exercise (its
-%%writefile cell is the skeleton in zerolab/course/exercises/skeletons/, byte for byte) and the
+"""Write notebooks/exercises/*.ipynb from the package: one notebook per coding exercise, (a)-(e)
+and (f)-(j) with the optional track (its %%writefile cell is the skeleton in
+zerolab/course/exercises/skeletons/, byte for byte) and the
 "predict, then measure" notebook (its questions are zerolab.course.exercises.answers.QUESTIONS).
 
     python scripts/make_exercise_notebooks.py && python scripts/nb_policy.py notebooks/exercises/*.ipynb
@@ -9,6 +10,7 @@ the notebooks' skeletons equal the package's).
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -52,7 +54,9 @@ PLAN = {
               "ready, keep your chunk, free the bucket.",
               "the parameters equal the reference with 2 micro-steps per step (your shard "
               "accumulates), no full-gradient bucket survives a backward, and the bytes held "
-              "and sent equal 2Ψ + 14Ψ/N and 2(n-1)/n·2Ψ (bf16; fp32 doubles the 2s)."),
+              "and sent equal the formulas for the precision the checker runs, fp32: 4Ψ + "
+              "16Ψ/N held and 2(n-1)/n·4Ψ sent (in the notes' bf16 the same formulas read "
+              "2Ψ + 14Ψ/N and 2(n-1)/n·2Ψ)."),
     "zero3": ("e_zero3", "07_zero3", 15, ["zerolab.zero3.ZeRO3._gather", "zerolab.zero3.ZeRO3._free"],
               "ZeRO-3 keeps only its own range of the weights too. Just before a block runs "
               "(forward, and again backward) its full weights are all-gathered into a buffer; "
@@ -61,6 +65,132 @@ PLAN = {
               "or after the step, each rank holds 16Ψ/N (fp32: 20Ψ/N) and sent 3(n-1)/n·2Ψ "
               "bytes a step."),
 }
+
+
+# exercises (f)-(j), graded by their own module (`Exercise.grader`): file stem, what to read first,
+# minutes, the zerolab code to show before (what the prediction is about, or the loop that drives
+# the learner's class), the idea, how the check grades, and the solution to show afterwards
+MORE = {
+    "groups": ("f_groups", "`notebooks/09_tensor_parallel.ipynb` (sections 1 and 3) and the "
+               "HSDP part of `notebooks/08_fsdp.ipynb`", 10, [],
+               "8 ranks as tp_size = 2 by dp_size = 4: which ranks split one replica's weights "
+               "between them (TP), which ones average the same part of different replicas (DP, "
+               "where ZeRO shards)? And HSDP (FSDP's HYBRID_SHARD): shard inside a node, "
+               "replicate across nodes. Both are the same grid of ranks, read along its two "
+               "axes; `torch.distributed.device_mesh.init_device_mesh` builds it.",
+               "the check calls your two functions for every world size up to 16 and every group "
+               "size that divides it (no ranks needed): every rank in exactly one group of each "
+               "kind, the sizes, TP and shard groups on one node, each DP / replicate group "
+               "taking the same slot of every TP / shard group; then zerolab's own layout "
+               "(`theory.mesh_groups`, torch's `init_device_mesh`); then a ValueError for a size "
+               "that does not divide the world.",
+               ["zerolab.theory.mesh_groups"]),
+    "buckets_prefetch": ("g_buckets_prefetch", "`notebooks/04_ddp.ipynb` (buckets) and "
+                         "`notebooks/07_zero3.ipynb` (prefetch)", 15,
+                         ["zerolab.sharding.bucket_numel", "zerolab.zero3.ZeRO3._gather"],
+                         "Two knobs you will meet in every real run: torch DDP's bucket_cap_mb "
+                         "(how many gradients share one all_reduce) and FSDP's / ZeRO-3's "
+                         "prefetch (how many blocks are gathered ahead). Predict what each does, "
+                         "then let the check measure it.",
+                         "the check compares `ddp_buckets` with zerolab's grouping on a few "
+                         "hundred (sizes, cap, dtype) cases, then starts 3 gloo ranks that build "
+                         "zerolab's DDP with four caps and ZeRO-3 with five prefetch depths on "
+                         "GPT nano with 6 blocks, and compares your buckets with the buckets and "
+                         "all_reduces those runs formed, your peak with the gathered-weights peak "
+                         "the memory meter measured.",
+                         ["zerolab.course.exercises.more.ddp_buckets",
+                          "zerolab.theory.bucket_groups",
+                          "zerolab.course.exercises.more.zero3_gathered_peak"]),
+    "timing": ("h_timing", "`notebooks/03_collectives.ipynb` (the ring) and "
+               "`notebooks/12_time.ipynb`", 10, ["zerolab.timing.linkemu.LinkEmulator"],
+               "How long does a collective take? The α-β model: a latency α for each ring step "
+               "plus the bytes each rank sends over the bandwidth β. zerolab's link emulator "
+               "(shown below) makes gloo collectives last exactly as long as the model says, so "
+               "your prediction can be measured on a laptop.",
+               "the check compares `ring_time` with zerolab's cost model on a few hundred (op, "
+               "size, n, link) cases, then times each collective on 3 gloo ranks over an "
+               "emulated 0.1 Gb/s link with α = 2 ms, and asks the measured time to be within "
+               "25 % + 10 ms of your prediction.",
+               ["zerolab.timing.costmodel.collective_time"]),
+    "strategy_ddp": ("i_strategy_ddp", "`notebooks/04_ddp.ipynb` and exercise (b)", 45,
+                     ["zerolab.course.exercises.track._correctness"],
+                     "The optional track: no skeleton of zerolab's to fill in, a whole class of "
+                     "your own. DDP with gradient buckets whose all_reduce starts from a hook "
+                     "while backward still runs on the earlier layers; the check's loop (shown "
+                     "below) drives it with torch alone.",
+                     "the check runs your class on 3 gloo ranks: the parameters after each of 3 "
+                     "steps against single-process torch AdamW (and the gradient norm), the "
+                     "bytes of the ledger against 2(n-1)/n × 4Ψ, buckets of at most the cap, "
+                     "every all_reduce issued during loss.backward(); then, over an emulated "
+                     "link with a model whose blocks sleep in backward, how much communication "
+                     "your overlap leaves exposed.",
+                     ["zerolab.ddp.DDP._grads_ready", "zerolab.hooks.GradReady"]),
+    "strategy_zero1": ("j_strategy_zero1", "`notebooks/05_zero1.ipynb` and exercise (c)", 45,
+                       ["zerolab.course.exercises.track._correctness"],
+                       "The optional track, second class: a sharded AdamW (ZeRO-1). Each rank "
+                       "keeps the optimizer state of its own 1/N of every parameter group, "
+                       "updates that range, and an all_gather brings every rank's update to "
+                       "everyone. The check's loop (shown below) drives it with torch alone.",
+                       "the check runs your class on 3 gloo ranks: the parameters after each "
+                       "of 3 steps against single-process torch AdamW, the all_gather bytes "
+                       "against (n-1)/n × 4Ψ, the bytes your object keeps between steps against "
+                       "12Ψ/N, and the step's time over an emulated link where every collective "
+                       "pays (n-1) × 5 ms of latency.",
+                       ["zerolab.zero1.ZeRO1.step", "zerolab.zero1.publish_update"]),
+}
+
+
+def _module_of(dotted: str) -> str:
+    """The longest importable module prefix of `dotted` (a function, class or method path)."""
+    parts = dotted.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:k]))
+            return ".".join(parts[:k])
+        except ImportError:
+            continue
+    raise ValueError(dotted)
+
+
+def more_notebook(name: str) -> nbformat.NotebookNode:
+    ex = EXERCISES[name]
+    stem, read, minutes, callers, idea, how, solution = MORE[name]
+    fns = ", ".join(f"`{f}`" for f in ex.functions)
+    imports = sorted({_module_of(c) for c in callers + solution})
+    head = "\n".join(f"import {m}" for m in imports) + \
+        "\nfrom zerolab import nb\nfrom zerolab.course import exercises"
+    track = ex.grader.endswith(".track")
+    cells = [
+        new_markdown_cell(
+            f"# {'Track' if track else 'Exercise'} ({ex.letter}): {ex.title}\n\n"
+            f"**You write** {fns} (about {minutes} minutes{', optional' if track else ''}). "
+            f"**Read first**: {read}.\n\n{idea}\n\n**How it is checked**: {how} From a "
+            f"terminal: `zerolab check {name} --impl notebooks/exercises/my_{name}.py`."),
+        new_markdown_cell(
+            "## The check's loop\n\nThe code that drives your class in the check (plain torch "
+            "around it):" if track else "## The zerolab code your prediction is about\n\nWhat "
+            "the check runs and measures:" if callers else "## Set-up"),
+        new_code_cell(head + "".join(f"\nnb.show({c})" for c in callers)),
+        new_markdown_cell("## Your code\n\nFill in the body, run the cell (it writes "
+                          f"`my_{name}.py` next to this notebook), then run the check below. "
+                          f"Stuck before checking? `exercises.hint(\"{name}\")` in a cell prints "
+                          f"a first hint, `exercises.hint(\"{name}\", 2)` the next, and so on "
+                          f"up to almost the code (terminal: `zerolab check {name} --hint 2`)."),
+        new_code_cell(f"%%writefile my_{name}.py\n" + ex.skeleton.read_text()),
+        new_markdown_cell("## Check\n\n`PASS` lists what was compared and measured; `FAIL` "
+                          "names the first case (or step and rank) that differs, with the "
+                          "expected value and, for a known mistake, why; the blank skeleton "
+                          "fails at once."),
+        new_code_cell(f'result = exercises.exercise("{name}", "my_{name}.py")'),
+        new_markdown_cell("## Stuck, or done?\n\n" + (
+            "zerolab's own strategy does the same job inside its own interface (compare after "
+            "you passed):" if track else "zerolab's own answer. Uncomment and run when you have "
+            "passed, or after a real try:")),
+        new_code_cell("\n".join(f"# nb.show({c})" for c in solution)),
+    ]
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    return nb
 
 
 def exercise_notebook(name: str) -> nbformat.NotebookNode:
@@ -83,7 +213,10 @@ def exercise_notebook(name: str) -> nbformat.NotebookNode:
                       "from zerolab import nb\nfrom zerolab.course import exercises\n\n"
                       + "\n".join(f"nb.show({c})" for c in callers)),
         new_markdown_cell("## Your code\n\nFill in the body, run the cell (it writes "
-                          f"`my_{name}.py` next to this notebook), then run the check below."),
+                          f"`my_{name}.py` next to this notebook), then run the check below. "
+                          f"Stuck before checking? `exercises.hint(\"{name}\")` in a cell prints "
+                          f"a first hint, `exercises.hint(\"{name}\", 2)` the next, and so on "
+                          f"up to almost the code (terminal: `zerolab check {name} --hint 2`)."),
         new_code_cell(f"%%writefile my_{name}.py\n" + ex.skeleton.read_text()),
         new_markdown_cell("## Check\n\n`PASS` means: " + proves + " `FAIL` names the first "
                           "step, rank and parameter (or byte count) that differs; the blank "
@@ -135,11 +268,26 @@ def predict_notebook() -> nbformat.NotebookNode:
     return nb
 
 
+def write(nb: nbformat.NotebookNode, path: Path):
+    """Write `nb`, keeping the cell ids of the notebook already at `path` (same cell count), so
+    that regenerating an unchanged notebook changes nothing."""
+    if path.exists():
+        old = nbformat.read(path, as_version=4)
+        if len(old.cells) == len(nb.cells):
+            for new, cell in zip(nb.cells, old.cells):
+                if "id" in cell:
+                    new["id"] = cell["id"]
+    nbformat.write(nb, path)
+
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     for name in EXERCISES:
-        nbformat.write(exercise_notebook(name), OUT / f"{PLAN[name][0]}.ipynb")
-    nbformat.write(predict_notebook(), OUT / "predict_then_measure.ipynb")
+        if name in MORE:
+            write(more_notebook(name), OUT / f"{MORE[name][0]}.ipynb")
+        else:
+            write(exercise_notebook(name), OUT / f"{PLAN[name][0]}.ipynb")
+    write(predict_notebook(), OUT / "predict_then_measure.ipynb")
     print(f"wrote {len(EXERCISES) + 1} notebooks to {OUT}")
 
 

@@ -301,3 +301,20 @@ def format_step_peaks(psi: float, world_size: int, precision: str = "bf16",
         lines.append(f"{STAGE_NAMES[stage]:<8}{resident / unit:>12.4g}{(resident + copies) / unit:>12.4g}"
                      f"{copies / unit:>18.4g}")
     return "\n".join(lines)
+
+
+# --- process groups of a 2-D device mesh (notebooks 08 and 09; exercise (f)) -----------------------
+def mesh_groups(world_size: int, inner_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(rows, columns) of the (world_size / inner_size, inner_size) device mesh, ranks laid out
+    row-major as torch's `init_device_mesh` does. Rows: inner_size consecutive ranks, one node's
+    worth (the TP groups of notebook 09's (dp, tp) mesh; HSDP's shard groups in notebook 08's
+    (replicate, shard) mesh). Columns: the ranks at the same place in every row (DP groups;
+    HSDP's replicate groups): each column meets each row in exactly one rank.
+    mesh_groups(8, 2) = ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]]).
+    Raises ValueError unless inner_size is an integer >= 1 that divides world_size."""
+    n = check_world_size(world_size)
+    if isinstance(inner_size, bool) or not isinstance(inner_size, int) or inner_size < 1 \
+            or n % inner_size:
+        raise ValueError(f"{n} ranks do not split into groups of {inner_size!r}")
+    rows = [list(range(r, r + inner_size)) for r in range(0, n, inner_size)]
+    return rows, [list(range(c, n, inner_size)) for c in range(inner_size)]

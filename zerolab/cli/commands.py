@@ -179,11 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     chk = command("check", "grade your code for an exercise on gloo ranks (course/exercises/)")
     chk.add_argument("exercise", nargs="?", default=None,
-                     help="shard_range, ddp, zero1, zero2 or zero3")
+                     help="shard_range, ddp, zero1, zero2, zero3; groups, buckets_prefetch, "
+                          "timing; strategy_ddp, strategy_zero1 (--list)")
     chk.add_argument("--impl", default=None, help="your .py file (or a dotted module)")
     chk.add_argument("--nproc", type=int, default=3, help="gloo ranks, 2-4")
     chk.add_argument("--timeout", type=float, default=90, help="seconds before the ranks are killed")
     chk.add_argument("--list", action="store_true", help="list the exercises and their skeletons")
+    chk.add_argument("--hint", nargs="?", const="1", default=None, metavar="K",
+                     help="print hint K (default 1) for EXERCISE instead of checking: 1 is a "
+                          "nudge, the last almost the code")
 
     command("doctor", "check this machine for the course (each line OK or the fix; < 30 s)")
 

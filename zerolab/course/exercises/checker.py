@@ -5,7 +5,8 @@ Checks, in the order a learner meets them (the first failing one is reported, wi
 that failed it):
 1. the file loads and defines the functions of the skeleton, with the skeleton's arguments, and
    none of them is still blank (`raise NotImplementedError`): no ranks are started otherwise;
-2. shard_range only: (start, stop) for numel 1..40 and a few large ones, N = 1..8, every rank;
+2. without ranks (`diagnose.probe`): shard_range's (start, stop) for numel 1..40 and a few large
+   ones, N = 1..8, every rank; ZeRO-1's own_gradient on a bf16 unit (the fp32 conversion);
 3. on N ranks (`zerolab.course.testing.run_ranks`, with a timeout): train zerolab's strategy of that
    stage on the GPT "nano" (the odd-sized toy model for shard_range) in fp32, 3 optimizer steps
    of 2 micro-steps each, global gradient clipping at 0.5, and after every step compare
@@ -17,7 +18,12 @@ that failed it):
      bytes it holds by state with `theory.model_state_bytes`, both at the padded Ψ, exactly, as
      tests/test_measure.py does;
    - stage-specific: DDP's all_reduces run during backward, one per bucket; ZeRO-2/3 hold no
-     full-gradient bucket after backward; ZeRO-3 holds no gathered block after forward or step.
+     full-gradient bucket after backward; ZeRO-3 holds no gathered block after forward or step;
+   - the learner's functions, watched while they run (`watch.instrument`): the collectives
+     they start and on which of unit's buffers, a tensor changed while its collective was in
+     flight, the handle they return, the result against the right one and the usual wrong ones.
+     Such a named mistake is reported first, with the learner's function and line, and the
+     measured findings as evidence.
 A rank that raises is reported with the line of the learner's file it raised in; a run that
 hangs (a collective not every rank issued) is killed after `timeout` seconds.
 """
@@ -34,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import EXERCISES
+from . import EXERCISES, diagnose, watch
 
 ATOL = 1e-6                 # fp32, as tests/test_equivalence.py (see its comment on lr 1e-4)
 STEPS, ACCUM, ROWS, MAX_NORM = 3, 2, 1, 0.5
@@ -53,14 +59,20 @@ class Result:
     ok: bool = False
     lines: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    diagnosed: bool = False     # the lines name the mistake (zerolab.course.exercises.diagnose)
 
     def text(self) -> str:
         ex = EXERCISES[self.exercise]
         head = (f"zerolab check {ex.name}: exercise ({ex.letter}) {ex.title}\n"
-                f"  your code: {self.impl}; {self.nproc} gloo ranks; {self.seconds:.1f} s")
+                f"  your code: {self.impl}; "
+                + (f"{self.nproc} gloo ranks; " if ex.name != "groups" else "")      # (f) starts none
+                + f"{self.seconds:.1f} s")
         verdict = "PASS" if self.ok else "FAIL"
         body = "\n".join(f"  {line}" for line in self.lines)
-        tips = "" if self.ok else "\n  usual mistakes:\n" + "\n".join(f"    - {h}" for h in ex.hints)
+        stuck = (f"\n  stuck? hints one at a time: zerolab check {ex.name} --hint [K] (notebook: "
+                 f"exercises.hint(\"{ex.name}\", K))")
+        tips = "" if self.ok else stuck if self.diagnosed else \
+            "\n  usual mistakes:\n" + "\n".join(f"    - {h}" for h in ex.hints) + stuck
         return f"{head}\n{verdict}\n{body}{tips}"
 
 
@@ -88,6 +100,8 @@ def load_impl(impl: str, name: str):
 
 
 def _raises_not_implemented(fn) -> bool:
+    if inspect.isclass(fn):                 # the track's classes: any method still blank
+        return any(_raises_not_implemented(m) for m in vars(fn).values() if inspect.isfunction(m))
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
@@ -135,38 +149,27 @@ def install(ex, functions: dict):
 
 
 # --- (a) shard_range without ranks -------------------------------------------------------------
-def shard_range_cases():
-    for numel in [*range(1, 41), 1000, 1001, 4099, 10**9 + 7]:
-        for n in range(1, 9):
-            shard = -(-numel // n)                       # ceil(numel / n): equal, padded ranges
-            for r in range(n):
-                yield numel, n, r, (r * shard, (r + 1) * shard)
-
-
 def check_shard_range_alone(fn) -> list[str]:
-    for numel, n, r, want in shard_range_cases():
-        try:
-            got = fn(numel, n, r)
-        except Exception as err:  # noqa: BLE001 - shown to the learner
-            return [f"shard_range(numel={numel}, world_size={n}, rank={r}) raised "
-                    f"{type(err).__name__}: {err}"]
-        try:
-            got = tuple(int(v) for v in got)
-            assert len(got) == 2
-        except (TypeError, ValueError, AssertionError):
-            return [f"shard_range(numel={numel}, world_size={n}, rank={r}) returned {got!r}: "
-                    f"expected a pair of ints (start, stop), here {want}"]
-        if got != want:
-            return [f"shard_range(numel={numel}, world_size={n}, rank={r}) returned {got}; "
-                    f"expected {want}: {n} ranks x {want[1] - want[0]} elements = a padded "
-                    f"buffer of {n * (want[1] - want[0])} for {numel} elements"]
-    return []
+    """The table of (numel, N) cases, wrong ranges classified: `diagnose.shard_range_problem`."""
+    return diagnose.shard_range_problem(fn)
 
 
 # --- inside each rank ---------------------------------------------------------------------------
 def check_worker(rank, n, name, impl):
     """Runs on every rank: install the learner's functions, train, compare. Returns a list of
-    findings {"step", "rank", "kind", "text"} (empty: all equal) and the largest parameter diff."""
+    findings {"step", "rank", "kind", "text", "diagnosis"} (empty: all equal; diagnosis: a
+    mistake named by zerolab.course.exercises.diagnose) and the largest parameter diff."""
+    notes, found = diagnose.Notes(), []
+    try:
+        return _check_run(rank, n, name, impl, notes, found)
+    except diagnose.Mistake as err:         # going on would crash zerolab: every rank stops
+        found += [{"step": notes.step, "rank": rank, "kind": kind, "text": text, "diagnosis": True}
+                  for kind, text in [(err.kind, err.text), *notes.drain()]]
+        _any_rank(True)
+        return {"findings": found, "worst": 0.0, "psi": 0}
+
+
+def _check_run(rank, n, name, impl, notes, found):
     from ... import STRATEGIES, theory
     from .. import testing
     from ...comm import Comm
@@ -174,11 +177,12 @@ def check_worker(rank, n, name, impl):
     from ...memory import MemoryMeter
 
     ex = EXERCISES[name]
-    install(ex, learner_functions(ex, impl))
+    install(ex, watch.instrument(name, learner_functions(ex, impl), notes))
     job = dict(model=ex.model, precision="fp32", grad_accum=ACCUM, rows_per_micro=ROWS,
                max_norm=MAX_NORM)
     ref = testing.reference(job, n, STEPS, history=True)
     model = testing.make_model(ex.model)
+    before = {k: p.detach().float().clone() for k, p in model.named_parameters()}
     comm, meter = Comm(), MemoryMeter()
     # ZeRO-3 without prefetch: every block's gather then goes through the learner's gather_params
     # (a prefetched gather is issued by the strategy itself)
@@ -186,13 +190,18 @@ def check_worker(rank, n, name, impl):
     s = STRATEGIES[ex.stage](model, comm, max_grad_norm=MAX_NORM, lr=testing.LR,
                              weight_decay=testing.WD, meter=meter, **kwargs)
     psi = sum(u.padded_numel for u in s.units)
-    found, worst = [], 0.0
+    worst = 0.0
 
-    def finding(step, kind, text):
-        found.append({"step": step, "rank": rank, "kind": kind, "text": text})
+    def finding(step, kind, text, diagnosis=False):
+        found.append({"step": step, "rank": rank, "kind": kind, "text": text,
+                      "diagnosis": diagnosis})
+
+    def noted(step):                        # what the watched functions did wrong, named
+        for kind, text in notes.drain():
+            finding(step, kind, text, diagnosis=True)
 
     for step in range(STEPS):
-        comm.step = step
+        comm.step = notes.step = step
         meter.reset_peaks()
         x, y = testing.global_batch(model, step, n * ACCUM * ROWS)
         for micro in range(ACCUM):
@@ -208,6 +217,7 @@ def check_worker(rank, n, name, impl):
             # the course's loop (run/stage.py): ZeRO-2/3 reduce-scatter every micro-step, so
             # that the full gradient never outlives its block (sync=False would keep it)
             s.backward(loss / ACCUM, sync=micro == ACCUM - 1 or ex.stage >= 2)
+            noted(step)
             if ex.stage in (2, 3):
                 held = [u.name for u in s.units if u.bucket is not None
                         or any(p.grad is not None and type(p.grad) is not ShardedGrad
@@ -217,16 +227,13 @@ def check_worker(rank, n, name, impl):
                             f"full-gradient bucket of {held[0]} is still alive (unit.bucket or a "
                             f"p.grad view of it): free it once its reduce_scatter is done")
         norm = float(s.step())
+        noted(step)
         meter.sample(s, "checked")
         # --- the global gradient norm clip_grad_norm_ saw (AdamW after clipping hides a scale) -
         want_norm = ref["norms"][step]
         if abs(norm - want_norm) > 2e-6 * abs(want_norm):          # test_equivalence's rel 2e-6
             ratio = norm / want_norm
-            why = ("the gradients are summed, not averaged: divide by world_size"
-                   if abs(ratio - n) < 0.01 * n else
-                   "divided by world_size twice?" if abs(ratio * n - 1) < 0.01 else
-                   "part of a gradient is lost or counted twice: micro-steps must accumulate "
-                   "(add), and the average is taken once the collective is done (on_done)")
+            why = diagnose.norm_advice(name, ratio, n)
             finding(step, "gradient norm", f"global gradient norm {norm:.7g}, expected "
                     f"{want_norm:.7g} (torch's clip_grad_norm_ on the global batch), "
                     f"{ratio:.3g} x: {why}")
@@ -261,9 +268,13 @@ def check_worker(rank, n, name, impl):
         if diff is not None:
             pname, index, expected, value, largest = diff
             where = f"{pname}[{', '.join(map(str, index))}]" if index else pname
+            old = before[pname][index].item() if index else before[pname].item()
+            advice = diagnose.param_advice(name, stale=value == old != expected)
             finding(step, "parameters", f"parameter {where} = {value:.7g}, expected "
                     f"{expected:.7g} (single-process torch AdamW on the same global batch); "
-                    f"largest difference {largest:.2g} > {ATOL:g}")
+                    f"largest difference {largest:.2g} > {ATOL:g}" + (f": {advice}" if advice
+                                                                       else ""))
+        before = ref["history"][step]
         if _any_rank(bool(found)):
             break                           # the first step that differs is the one to fix
     return {"findings": found, "worst": worst, "psi": psi}
@@ -304,6 +315,8 @@ def _rank_error(err, impl: str) -> list[str]:
         if "Traceback" not in text:
             continue
         last = text.strip().splitlines()[-1]
+        if last.startswith(f"{diagnose.__name__}.Mistake: "):    # a named mistake, as is
+            return [last.partition(": ")[2]]
         frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
         mine = [f for f in frames if Path(f[0]).name == name]
         where = f" in your {mine[-1][2]} ({name} line {mine[-1][1]})" if mine else ""
@@ -332,18 +345,21 @@ def run_check(name: str, impl: str, nproc: int = 3, timeout: float = 90.0) -> Re
     ex, t0 = EXERCISES[name], time.monotonic()
     result = Result(name, impl, nproc)
 
-    def done(ok, lines):
+    def done(ok, lines, diagnosed=False):
         result.ok, result.lines, result.seconds = ok, lines, time.monotonic() - t0
+        result.diagnosed = diagnosed
         return result
 
     try:
         functions = learner_functions(ex, impl)
     except ImplError as err:
         return done(False, [str(err)])
-    if name == "shard_range":
-        problems = check_shard_range_alone(functions["shard_range"])
-        if problems:
-            return done(False, problems)
+    if ex.grader:                           # (f)-(j): graded by their own module (more, track)
+        return done(*importlib.import_module(ex.grader).grade(name, functions, str(impl),
+                                                                 nproc, timeout))
+    problems = diagnose.probe(name, functions)     # without ranks: shard_range, own_gradient
+    if problems:
+        return done(False, problems, diagnosed=True)
     try:
         per_rank = testing.run_ranks(check_worker, nproc, name, str(impl), timeout=timeout)
     except testing.RanksFailed as err:
@@ -358,11 +374,14 @@ def run_checks(pairs, nproc: int = 3, timeout: float = 120.0) -> list[Result]:
     from .. import testing
     t0, results, launch = time.monotonic(), [], []
     for name, impl in pairs:
+        if EXERCISES[name].grader:          # (f)-(j): one at a time (tests: track.grade_many)
+            results.append(run_check(name, impl, nproc, timeout))
+            continue
         result = Result(name, impl, nproc)
         try:
             functions = learner_functions(EXERCISES[name], impl)
-            problems = check_shard_range_alone(functions["shard_range"]) \
-                if name == "shard_range" else []
+            problems = diagnose.probe(name, functions)
+            result.diagnosed = bool(problems)
         except ImplError as err:
             problems = [str(err)]
         if problems:
@@ -375,8 +394,8 @@ def run_checks(pairs, nproc: int = 3, timeout: float = 120.0) -> list[Result]:
     for k, i in enumerate(launch):
         res = results[i]
 
-        def done(ok, lines, res=res):
-            res.ok, res.lines = ok, lines
+        def done(ok, lines, diagnosed=False, res=res):
+            res.ok, res.lines, res.diagnosed = ok, lines, diagnosed
             return res
         _verdict(done, [rank_out[k] for rank_out in per_item])
     for res in results:
@@ -389,19 +408,26 @@ def _verdict(done, per_rank) -> Result:
     if found:
         first = min(f["step"] for f in found)
         lines = [f"step {first + 1} of {STEPS} (each {ACCUM} micro-steps), the first that differs:"]
+        at_first = [f for f in found if f["step"] == first]
+        named = any(f.get("diagnosis") for f in at_first)
         ranks_by_line: dict[tuple, list[int]] = {}      # one line per finding, ranks grouped
-        for f in sorted((f for f in found if f["step"] == first), key=lambda f: f["rank"]):
-            ranks = ranks_by_line.setdefault((f["kind"], f["text"]), [])
+        # the mistakes diagnose named first (what to fix), then what the checks measured
+        for f in sorted(at_first, key=lambda f: (not f.get("diagnosis"), f["rank"])):
+            ranks = ranks_by_line.setdefault((f["kind"], f["text"], bool(f.get("diagnosis"))), [])
             if f["rank"] not in ranks:
                 ranks.append(f["rank"])
-        kinds_shown = set()
-        for (kind, text), ranks in ranks_by_line.items():
+        kinds_shown, measured = set(), 0
+        for (kind, text, diagnosis), ranks in ranks_by_line.items():
             if (kind, tuple(ranks)) in kinds_shown:
                 continue                                 # the first of each kind is enough
+            if named and not diagnosis:
+                measured += 1
+                if measured > 2:                         # the evidence, briefly
+                    continue
             kinds_shown.add((kind, tuple(ranks)))
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
             lines.append(f"{who}: {kind}: {text}")
-        return done(False, lines)
+        return done(False, lines, diagnosed=named)
     worst = max(r["worst"] for r in per_rank)
     return done(True, [
         f"every parameter on every rank equals single-process torch AdamW after each of "
