@@ -161,6 +161,47 @@ def test_lab3_trace_figure_colours_fonts_and_legend_below():
     plt.close(fig)
 
 
+
+def _legend_under(fig, ax, name):
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend()
+    assert legend is not None, name
+    box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert box.y1 <= area.y0 + 1, f"{name}: the legend sits on the plotting area"
+    for label in [*ax.get_xticklabels(), ax.xaxis.label]:
+        assert not box.overlaps(label.get_window_extent(renderer)), \
+            f"{name}: the legend covers {label.get_text()!r}"
+
+
+def test_lab7_held_figure_legend_below_the_bars():
+    """Lab 7's bytes-held bars on the committed CPU reference run: the legend under the axes,
+    clear of the wrapper names; every text >= 8 pt."""
+    import json
+
+    from zerolab.course import wrappers
+    ref = Path(plots.__file__).parent / "reference_runs" / "lab7_bring_your_own_model" / "transformer"
+    ranks = [json.loads(p.read_text()) for p in sorted(ref.glob("rank*.json"))]
+    fig = wrappers.plot_held(wrappers.held_rows(ranks))
+    fig.canvas.draw()
+    _check_fonts(fig, "plot_held")
+    _legend_under(fig, fig.axes[0], "plot_held")
+    plt.close(fig)
+
+
+def test_comm_bound_says_its_mfu_and_keeps_the_legend_off_the_data():
+    from zerolab.timing import costmodel
+    from zerolab.timing.hardware import DEVICES, LINKS
+    for mfu, shown in ((None, costmodel.MFU), (0.5, 0.5)):
+        fig = timeplots.comm_bound(2e8, 64, LINKS["ib-ndr"], DEVICES["h100"], mfu=mfu)
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        _check_fonts(fig, "comm_bound")
+        assert f"MFU {shown:g}" in ax.get_title()
+        t_star = costmodel.zero3_comm_bound_tokens(2e8, 64, LINKS["ib-ndr"], DEVICES["h100"], mfu=shown)
+        assert any(f"{t_star:,.0f}" in t for t in ax.get_legend_handles_labels()[1])
+        _legend_under(fig, ax, "comm_bound")
+        plt.close(fig)
+
 # --- the committed figures (scripts/nb_figures.py, scripts/nb_policy.py) --------------------------
 def _nb_scripts():
     sys.path.insert(0, str(ROOT / "scripts"))

@@ -286,21 +286,25 @@ def step_replay(replays: dict):
     return fig
 
 
-def comm_bound(block_params: float, world_size: int, link, device, tokens=None):
+def comm_bound(block_params: float, world_size: int, link, device, tokens=None, mfu=None):
     """A block's forward compute (rises with tokens per rank) against its all_gather (flat);
-    they cross at the ZeRO-3 threshold T* (costmodel.zero3_comm_bound_tokens)."""
+    they cross at the ZeRO-3 threshold T* (costmodel.zero3_comm_bound_tokens). Compute runs at
+    `mfu` of the device's peak (default the cost model's, flops.MFU), which title and label say."""
     from ..timing import costmodel
-    t_star = costmodel.zero3_comm_bound_tokens(block_params, world_size, link, device)
+    mfu = costmodel.MFU if mfu is None else costmodel.check_mfu(mfu)
+    t_star = costmodel.zero3_comm_bound_tokens(block_params, world_size, link, device, mfu=mfu)
     tokens = tokens or [2 ** k for k in range(6, 18)]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(tokens, [costmodel.compute_time(block_params, t, device, passes="fwd") * 1e3
-                     for t in tokens], color="0.3", marker="o", ms=3, label="block forward compute")
+    ax.plot(tokens, [costmodel.compute_time(block_params, t, device, passes="fwd", mfu=mfu) * 1e3
+                     for t in tokens], color="0.3", marker="o", ms=3,
+            label=f"block forward compute (MFU {mfu:g})")
     gather = costmodel.collective_time("all_gather", 2 * block_params, world_size, link) * 1e3
     ax.axhline(gather, color=COLLECTIVE_COLORS["all_gather"], label="block all_gather (bf16)")
     ax.axvline(t_star, color="0.5", ls=":", label=f"T* = {t_star:,.0f} tokens per rank")
-    ax.set(xscale="log", yscale="log", xlabel="tokens per rank per step", ylabel="ms",
-           title=f"Ψ_block = {block_params:.3g}, N = {world_size}, {device.name} on {link.name}")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per rank per step", ylabel="ms")
+    ax.set_title(f"Ψ_block = {block_params:.3g}, N = {world_size}, {device.name} at MFU {mfu:g} "
+                 f"on {link.name}", fontsize=11)
+    legend_below(ax, ncol=2, offset=-0.2)
     fig.tight_layout()
     return fig
 

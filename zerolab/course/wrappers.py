@@ -279,7 +279,14 @@ def plot_held(rows: list[dict], rank: int = 0):
         bottom = [b + v for b, v in zip(bottom, vals)]
     expected = [sum(x["expected"] for x in sel if x["name"] == nm) for nm in names]
     ax.scatter(names, expected, marker="_", s=900, color="black", label="formula + padding + frozen")
-    ax.set_ylabel(f"bytes held on rank {rank}")
+    ax.set_ylabel(f"bytes held on rank {rank}", fontsize=FONT)
     ax.set_title("bytes held between steps, by state (fp32, AdamW)")
-    ax.legend(fontsize=FONT)
+    ax.tick_params(labelsize=FONT)
+    handles, labels = ax.get_legend_handles_labels()
+    order = [*STATES, "formula + padding + frozen"]          # the stack's order, then the ticks
+    pairs = sorted(zip(handles, labels), key=lambda hl: order.index(hl[1]))
+    # under the axes, clear of the wrapper names: never over the bars
+    ax.legend(*zip(*pairs), fontsize=FONT, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+              frameon=False, markerscale=0.5)         # the tick's marker fits its handle
+    fig.tight_layout()
     return fig
