@@ -149,13 +149,13 @@ def check_widgets():
     ext = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "@jupyter-widgets" / "jupyterlab-manager"
     if not ext.is_dir():
         return _fix(f"the widgets extension is not where JupyterLab looks ({ext}): {SETUP}")
-    return _ok(f"{text}, with its JupyterLab extension (the calculator's sliders)")
+    return _ok(f"{text}, with its JupyterLab extension (the calculator's controls)")
 
 
 def check_jupyterlab():
     ok, text = check_module("jupyterlab", "4.0")
     if ok:
-        text += "; open the course with: jupyter lab notebooks/01_welcome.ipynb"
+        text += "; open the course with: jupyter lab --notebook-dir=. notebooks/01_welcome.ipynb"
     return ok, text
 
 
