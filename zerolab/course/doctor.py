@@ -82,15 +82,18 @@ def check_port():
     return _ok(f"a free local port ({port}); launches pick their own (torchrun --standalone)")
 
 
-def check_ranks(nproc: int = 2, timeout: float = 20.0):
-    """torchrun starts `nproc` gloo ranks on CPU that all_reduce a tensor (this module, --rank)."""
-    from ..run.launch import LaunchError, run_torchrun
+def check_ranks(nproc: int = 2, timeout: float = 60.0):
+    """torchrun starts `nproc` gloo ranks on CPU that all_reduce a tensor (this module, --rank).
+    `timeout` (s) is generous: on a loaded 2-core machine starting two ranks took up to ~20 s."""
+    from ..run.launch import LaunchError, _noise, run_torchrun
     t0 = time.monotonic()
     try:
         out = run_torchrun(["--rank"], nproc, module="zerolab.course.doctor", timeout=timeout,
                            echo=lambda line: None)
-    except LaunchError as err:
-        last = str(err).strip().splitlines()[-1] if str(err).strip() else "no output"
+    except LaunchError as err:          # the launcher's reason, then the ranks' last real line
+        said = [line for arg in err.args for line in str(arg).splitlines()
+                if line.strip() and not _noise(line)]
+        last = "; ".join(dict.fromkeys([said[0], said[-1]])) if said else "no output"
         return _fix(f"{nproc} gloo ranks did not start or all_reduce ({last}); rerun "
                     f"`zerolab train --stage 0 --nproc 2 --preset nano --steps 1` to see why")
     if f"all_reduce ok on {nproc} ranks" not in out:
