@@ -12,6 +12,8 @@ the few modules they stand on, read in this order, each importing only those abo
     sharding    flat buffers, padding, owned ranges, buckets / blocks, gradient hooks
     optim       torch's AdamW on flat shards (decay groups, parameters without a gradient)
     memory      measured bytes by category, peaks, allocator cross-check
+    quant       ZeRO++'s quantized collectives: qwZ's int8 weight all_gather, qgZ's int8/int4
+                gradient all_to_all (block-wise scales; ZeRO-3's `quantize=`)
     ddp, zero1, zero2, zero3   the strategies: __init__ / forward / backward / step
 
 Everything else lives in four wings, sub-folders the lesson never imports, and one door:

@@ -8,6 +8,10 @@ measured traffic that the labs put next to `theory.traffic_bytes`.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 2 --preset tiny --steps 3
 
+Two tiers: `node_comms(k)` gives a rank a Comm over its node of k ranks and one across nodes;
+`hierarchical_all_reduce` is reduce_scatter inside, all_reduce of the 1/k chunk across, all_gather
+inside - the steps hybrid sharding (HSDP) is made of, hence here with the strategies' collectives.
+
 Conventions (nccl-tests PERFORMANCE.md): S is the full, unsharded array in bytes; a rank moves
 2(n-1)/n·S for all_reduce, (n-1)/n·S for reduce_scatter and all_gather, S for broadcast; algbw =
 S / t and busbw = algbw × the same factor. On gloo, reduce_scatter is an all_reduce plus a local
@@ -193,6 +197,9 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # the group's global ranks in its rank order (two emulated tiers time by their nodes)
+        self.ranks = (tuple(dist.get_process_group_ranks(group)) if group is not None
+                      else tuple(range(self.world_size)))
         self.records: list[Record] = []
         self.step = 0
         self.current_phase = "setup"
@@ -293,7 +300,7 @@ class Comm:
         if self.backend != "nccl":
             self._stamp_completion(handle)
         if self.link is not None:                # emulated network: done no sooner than the model
-            handle.work = self.link.issue(handle.work, op, size, handle)
+            handle.work = self.link.issue(handle.work, op, size, handle, ranks=self.ranks)
         handle.work = _waiting(handle.work, record)
         self._pending.append(handle)
         if not async_op:
@@ -382,3 +389,58 @@ class Comm:
         """The ledger as a list of plain dicts (with algbw / busbw in bytes/s); settles first."""
         self.settle()
         return [{**asdict(r), "algbw": r.algbw, "busbw": r.busbw} for r in self.records]
+
+
+# --- two tiers: the ranks of a node, and the ranks across nodes ----------------------------------
+def node_comms(ranks_per_node: int, parent: Comm | None = None) -> tuple[Comm, Comm]:
+    """This rank's two sub-group Comms when the world is split into nodes of `ranks_per_node`
+    consecutive ranks (node = rank // k): `intra`, the k ranks of its node, and `inter`, the ranks
+    with its local index (rank % k) on every node, one per node.
+
+    Every rank must call it (creating a process group is collective). parent: the world's Comm,
+    whose emulated `link` both share (one set of per-tier clocks). ValueError unless k >= 1
+    divides the world size.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    k = ranks_per_node
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or world % k:
+        raise ValueError(f"ranks_per_node {k!r} must be an integer >= 1 that divides the world "
+                         f"size {world}")
+    intra = inter = None
+    for node in range(world // k):                  # every rank creates every group, in order
+        group = dist.new_group(list(range(node * k, (node + 1) * k)))
+        if rank // k == node:
+            intra = Comm(group)
+    for local in range(k):
+        group = dist.new_group(list(range(local, world, k)))
+        if rank % k == local:
+            inter = Comm(group)
+    if parent is not None:
+        intra.link = inter.link = parent.link
+    return intra, inter
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, intra: Comm, inter: Comm, *, what: str,
+                            unit: str = "") -> list[Handle]:
+    """Sum `tensor` [S] over every rank of every node, in place, in three collectives that each
+    stay on one tier (`node_comms` gives `intra` and `inter`; k = intra.world_size):
+
+        reduce_scatter over the node    G{U} [S]  ->  G[S/k], summed over the node's k ranks
+        all_reduce across nodes         G[S/k]    ->  G[S/k], summed over every node
+        all_gather over the node        G[S/k]    ->  G[S]
+
+    The k chunks cross nodes in parallel, one per local rank, so the slow tier carries S/k per
+    rank instead of S (costmodel.hierarchical_all_reduce times it). Each collective is recorded
+    in its own Comm's ledger. Returns their three Handles, waited for. ValueError unless `tensor`
+    is contiguous and k divides its numel (pad first, as the strategies' flat buffers are).
+    """
+    k = intra.world_size
+    if not tensor.is_contiguous() or tensor.numel() % k:
+        raise ValueError(f"hierarchical_all_reduce needs a contiguous tensor whose {tensor.numel()} "
+                         f"elements the node's {k} ranks divide")
+    flat = tensor.view(-1)                                                  # [S]
+    chunk = flat.narrow(0, intra.rank * (flat.numel() // k), flat.numel() // k)   # [S/k], own
+    rs = intra.reduce_scatter(chunk, flat, what=what, unit=unit)    # chunk: summed over the node
+    ar = inter.all_reduce(chunk, what=what, unit=unit)              # chunk: summed over all nodes
+    ag = intra.all_gather(flat, chunk, what=what, unit=unit)        # in place, as ZeRO-1/2 gather
+    return [rs, ar, ag]

@@ -197,12 +197,14 @@ def cuda_memory_history(max_entries: int = SNAPSHOT_MAX_ENTRIES):
         record["snapshot"] = snap
 
 
-def padding_bytes(units, stage: int, precision: str = "bf16", grad_dtype=None) -> dict[str, int]:
+def padding_bytes(units, stage: int, precision: str = "bf16", grad_dtype=None,
+                  states: str = "fp32", rounding: str = "nearest") -> dict[str, int]:
     """Bytes of padding this rank holds inside each model state: the zeros that round every unit
     up to a multiple of N. Replicated buffers carry (padded_numel - numel) of them, shards only
     the part of the padding that falls in this rank's range (the last ranks). Included in the
-    measured bytes; `theory.model_state_bytes` at the padded Ψ counts them too."""
-    per = theory.bytes_per_param(precision, grad_dtype)
+    measured bytes; `theory.model_state_bytes` at the padded Ψ counts them too. states,
+    rounding: the optimizer's low-precision rung (`theory.bytes_per_param`)."""
+    per = theory.bytes_per_param(precision, grad_dtype, states, rounding)
     return {state: sum((u.padding_in_shard() if theory.is_sharded(state, stage)
                         else u.padded_numel - u.numel) * per[state] for u in units)
             for state in theory.STATES}

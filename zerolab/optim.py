@@ -20,11 +20,52 @@ and once for the others, skipping the parameters that `used` marks False. The st
 `state[master] = {"exp_avg": [M] fp32, "exp_avg_sq": [M] fp32, "step": [P] fp32}`, with one step
 count per parameter of the unit (P of them), as torch keeps one per parameter. A scalar "step"
 (what zerolab.run.checkpoint restores) is taken as the count of every parameter.
+
+The low-precision state ladder (`optimizer_states`, `master_rounding`; bytes per parameter with
+bf16 weights and gradients, `theory.bytes_per_param`, Megatron's 20 / 18 / 16 table there too):
+
+    optimizer_states  master_rounding       weights grads master exp_avg exp_avg_sq  total
+    "fp32"            -                        2      2     4      4       4          16
+    "bf16-moments"    -                        2      2     4      2       2          12
+    "bf16-master"     "kahan"                  2      2     2*     2       2          10
+    "bf16-master"     "nearest"|"stochastic"   2      2     0      2       2           8
+
+"bf16-moments": exp_avg and exp_avg_sq are stored in bf16 (Megatron-Core's precision-aware
+optimizer, `exp_avg_dtype` / `exp_avg_sq_dtype`). "bf16-master": the bf16 weights themselves are
+the master (Megatron's fp32-param row, where the params are the main params, in bf16); a separate
+bf16 copy would hold the very same bits, so none is built (`make_flat_optimizer` points
+`u.master` at the weights' own range). The update is computed in fp32 and rounded into bf16:
+"nearest" (plain cast: updates below half a bf16 ulp - 2^-9 to 2^-8 of the weight - are lost:
+lr * wd = 1e-4 decay stalls), "stochastic" (up or down at random with the probabilities that make the rounding
+unbiased, `round_stochastic`; seeded per step, unit and - for shards - rank, so a run repeats
+bit for bit) or "kahan" (*a bf16 compensation buffer carries what each rounding lost into the
+next update: counted as "master_weights", since weight + compensation is what an fp32 master
+holds, to ~16 bits). Source: Zamirai et al. 2020, "Revisiting BFloat16 Training" (stochastic
+rounding and Kahan summation of the weight update); Megatron-Core OptimizerConfig
+(`use_precision_aware_optimizer`, `main_params_dtype`, `exp_avg_dtype`, `exp_avg_sq_dtype`).
+The arithmetic is torch's AdamW on fp32 copies of one parameter's range at a time (temporaries
+of one parameter, as the fp32 path's), so that the rungs differ from "fp32" only in what is
+stored. The Kahan compensation is not in checkpoints: a resumed run starts it at zero.
 """
 from __future__ import annotations
 
 import torch
 from torch.optim.adamw import adamw
+
+from . import theory
+
+_SEED_MIX = 1_000_003
+
+
+def round_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`x` (fp32) rounded to bf16, up or down at random: to the neighbour above with probability
+    (x - below) / (above - below), so E[result] = x (unbiased; nearest rounding is biased for
+    any one value). How: add 16 random bits to the fp32 bits' low half, then drop that half (a
+    carry into the upper half is the round-up). Exact values stay exact."""
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device,
+                          generator=generator)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 class FlatAdamW(torch.optim.AdamW):
@@ -34,14 +75,31 @@ class FlatAdamW(torch.optim.AdamW):
     """
 
     def __init__(self, masters, segments, decay, lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.1):
+                 weight_decay=0.1, optimizer_states="fp32", master_rounding="nearest",
+                 rounding_seed=0, rank=0):
+        theory.check_optimizer_states(optimizer_states, master_rounding)
+        if optimizer_states == "bf16-master" and any(m.dtype != torch.bfloat16 for m in masters):
+            raise ValueError("optimizer_states 'bf16-master' updates the bf16 weights themselves: "
+                             "the masters must be bf16 (use --precision bf16)")
         super().__init__(masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.segments = [list(zip(s, d)) for s, d in zip(segments, decay)]
+        self.states, self.rounding = optimizer_states, master_rounding
+        self.seed, self.rank = rounding_seed, rank      # stochastic rounding's stream
+
+    def master_buffers(self, masters) -> list[torch.Tensor]:
+        """What the memory meter counts as "master_weights" (`sharding.optimizer_states`): the
+        masters; none when the bf16 weights are the master (they are counted as "params"), but
+        the Kahan compensation buffers (bf16, shaped like the master) when there are any."""
+        if self.states != "bf16-master":
+            return list(masters)
+        return [self.state[m]["kahan_comp"] for m in masters if "kahan_comp" in self.state.get(m, {})]
 
     @torch.no_grad()
     def step(self, used=None):
         """One update. used: [[bool per parameter] per master] (None: all); a parameter marked
         False is left exactly as torch.optim.AdamW leaves a parameter whose grad is None."""
+        if self.states != "fp32":
+            return self._step_low_precision(used)
         group = self.param_groups[0]
         views = {True: ([], [], [], [], []), False: ([], [], [], [], [])}   # by decay flag
         for k, m in enumerate(group["params"]):
@@ -70,12 +128,97 @@ class FlatAdamW(torch.optim.AdamW):
                       maximize=False)
 
 
+    @torch.no_grad()
+    def _step_low_precision(self, used=None):
+        """The update of `optimizer_states` "bf16-moments" / "bf16-master": per parameter range,
+        fp32 copies of what is stored in bf16, torch's AdamW on them, then each rounded back
+        (moments: nearest; a bf16 master: `master_rounding`)."""
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        for k, m in enumerate(group["params"]):
+            if m.grad is None:
+                continue
+            state = self._low_precision_state(k, m)
+            generator = self._generator(k, m, state) if self.rounding == "stochastic" else None
+            for j, ((lo, hi), decay) in enumerate(self.segments[k]):
+                if hi <= lo or (used is not None and not used[k][j]):
+                    continue
+                w, ea, eas = m[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi]
+                w32, ea32, eas32 = w.float(), ea.float(), eas.float()   # fp32 w: w itself
+                adamw([w32], [m.grad[lo:hi].float()], [ea32], [eas32], [], [state["step"][j]],
+                      foreach=None, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                      weight_decay=group["weight_decay"] if decay else 0.0, eps=group["eps"],
+                      maximize=False)
+                ea.copy_(ea32)                          # fp32 -> bf16, nearest
+                eas.copy_(eas32)
+                if w32 is not w:                        # a bf16 master: round the new weights
+                    self._round_into(w, w32, state, lo, hi, generator)
+
+    def _low_precision_state(self, k, m) -> dict:
+        """State of master k: bf16 moments (+ "kahan_comp"), created at the first step like
+        torch's; moments of another dtype (a resumed checkpoint's fp32) are cast once."""
+        state = self.state[m]
+        if not state:
+            state["step"] = torch.zeros(len(self.segments[k]), dtype=torch.float32)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state or state[key].dtype != torch.bfloat16:
+                state[key] = (state[key].to(torch.bfloat16) if key in state
+                              else torch.zeros_like(m, dtype=torch.bfloat16))
+        if self.rounding == "kahan" and "kahan_comp" not in state:
+            state["kahan_comp"] = torch.zeros_like(m, dtype=torch.bfloat16)
+        if state["step"].dim() == 0:            # one count for all (a resumed checkpoint's)
+            state["step"] = state["step"].float().expand(len(self.segments[k])).clone()
+        return state
+
+    def _generator(self, k, m, state) -> torch.Generator:
+        """Stochastic rounding's random bits for master k this step: a generator seeded from
+        (rounding_seed, rank, k, the unit's step count), so a rerun draws the same bits."""
+        step = int(state["step"].max()) if state["step"].numel() else 0
+        seed = ((self.seed * _SEED_MIX + self.rank) * _SEED_MIX + k) * _SEED_MIX + step
+        return torch.Generator(device=m.device).manual_seed(seed % 2**63)
+
+    def _round_into(self, w, w32, state, lo, hi, generator):
+        """Store the fp32 update result `w32` into the bf16 weights `w` by `master_rounding`."""
+        if self.rounding == "nearest":
+            w.copy_(w32)
+        elif self.rounding == "stochastic":
+            w.copy_(round_stochastic(w32, generator))
+        else:                                   # Kahan: carry what the rounding loses
+            comp, old = state["kahan_comp"][lo:hi], w.float()
+            y = (w32 - old) + comp.float()      # this update plus what earlier ones lost
+            new = (old + y).to(torch.bfloat16)
+            comp.copy_(y - (new.float() - old))
+            w.copy_(new)
+
+
+def master_range(u, sharded: bool) -> torch.Tensor:
+    """The weights' own range that a "bf16-master" optimizer updates in place: ZeRO-3's bf16
+    shard `param_shard`, this rank's range of `param_flat` (ZeRO-1/2) or all of it (DDP)."""
+    if getattr(u, "param_shard", None) is not None:
+        return u.param_shard
+    if sharded and getattr(u, "layout", "flat") != "flat":
+        raise ValueError(f"unit {u.name!r}: 'bf16-master' needs a flat layout (its range of the "
+                         "weights must be a view)")
+    return u.own(u.param_flat) if sharded else u.param_flat
+
+
 def make_flat_optimizer(units, sharded: bool, lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
-                        weight_decay=0.1) -> FlatAdamW:
-    """FlatAdamW over `units`' fp32 masters (`u.master`), grouped as `sharding.decays` says."""
+                        weight_decay=0.1, optimizer_states="fp32", master_rounding="nearest",
+                        rounding_seed=0) -> FlatAdamW:
+    """FlatAdamW over `units`' fp32 masters (`u.master`), grouped as `sharding.decays` says.
+    optimizer_states "bf16-master": each `u.master` becomes the weights' own range
+    (`master_range`: the strategy's fp32 copy is dropped, a build-time transient), so the
+    strategies' `copy_(u.master)` after the step copies a tensor onto itself. Stochastic
+    rounding seeds by rank only when the masters are shards (DDP's replicas must agree)."""
+    theory.check_optimizer_states(optimizer_states, master_rounding)
+    if optimizer_states == "bf16-master":
+        for u in units:
+            u.master = master_range(u, sharded)
+    rank = units[0].rank if sharded and units else 0
     return FlatAdamW([u.master for u in units], [u.segments(sharded) for u in units],
                      [u.decay for u in units], lr=lr, betas=betas, eps=eps,
-                     weight_decay=weight_decay)
+                     weight_decay=weight_decay, optimizer_states=optimizer_states,
+                     master_rounding=master_rounding, rounding_seed=rounding_seed, rank=rank)
 
 
 # --- any torch optimizer on flat shards: only if its update is element-wise -------------------

@@ -325,10 +325,10 @@ def global_used(units: list[FlatUnit], comm) -> list[list[bool]]:
 
 
 def fp32_grads(units: list[FlatUnit], grads: list[torch.Tensor]):
-    """Set each unit's `master.grad` to its gradient range in fp32: a view when the gradients
-    already are fp32, else a new fp32 copy (the "grad_fp32" transient of zerolab.memory)."""
+    """Set each unit's `master.grad` to its gradient range in the master's dtype (fp32; bf16: optim's
+    "bf16-master"): a view when the dtypes agree, else a copy (zerolab.memory's "grad_fp32")."""
     for u, g in zip(units, grads):
-        u.master.grad = g if g.dtype == torch.float32 else g.float()     # [numel of master] fp32
+        u.master.grad = g.to(u.master.dtype)            # [numel of master] fp32 (a bf16 master: bf16)
 
 
 def grad_copies(units: list[FlatUnit]) -> list[torch.Tensor]:
@@ -400,7 +400,7 @@ def storage_bytes(tensors) -> int:
 def optimizer_states(optimizer, masters) -> dict[str, list[torch.Tensor]]:
     """{"master_weights", "exp_avg", "exp_avg_sq"} tensors of `optimizer` (empty before step 1)."""
     state = [optimizer.state.get(m, {}) for m in masters] if optimizer is not None else []
-    return {"master_weights": list(masters),
+    return {"master_weights": getattr(optimizer, "master_buffers", list)(masters),   # optim's ladder
             "exp_avg": [s["exp_avg"] for s in state if "exp_avg" in s],
             "exp_avg_sq": [s["exp_avg_sq"] for s in state if "exp_avg_sq" in s]}
 

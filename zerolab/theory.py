@@ -38,6 +38,11 @@ RING_FACTOR = {
 }
 ZERO1_GRAD_OPS = ("all_reduce", "reduce_scatter")
 
+# The low-precision state ladder (zerolab.optim.FlatAdamW; `state_ladder` below): what the
+# optimizer states are stored in, and how a bf16 master rounds its update.
+OPTIMIZER_STATES = ("fp32", "bf16-moments", "bf16-master")
+MASTER_ROUNDING = ("nearest", "stochastic", "kahan")
+
 
 def check_stage(stage) -> int:
     """Return `stage` as an int; raise ValueError naming it unless it is 0, 1, 2 or 3."""
@@ -74,14 +79,38 @@ def is_sharded(state: str, stage: int) -> bool:
     return check_stage(stage) >= SHARDED_FROM_STAGE[state]
 
 
-def bytes_per_param(precision: str = "bf16", grad_dtype: str | None = None) -> dict[str, int]:
+def check_optimizer_states(states: str = "fp32", rounding: str = "nearest",
+                           precision: str = "bf16", grad_dtype: str | None = None):
+    """ValueError (one line) unless `states` is one of OPTIMIZER_STATES, `rounding` one of
+    MASTER_ROUNDING, a rounding other than "nearest" comes with "bf16-master" (the only rung
+    with a bf16 master to round into) and "bf16-master" with bf16 weights and gradients (the
+    weights are the master; an fp32 gradient would be rounded to bf16 before the update)."""
+    if states not in OPTIMIZER_STATES:
+        raise ValueError(f"--optimizer-states {states!r} is not one of {', '.join(OPTIMIZER_STATES)}")
+    if rounding not in MASTER_ROUNDING:
+        raise ValueError(f"--master-rounding {rounding!r} is not one of {', '.join(MASTER_ROUNDING)}")
+    if rounding != "nearest" and states != "bf16-master":
+        raise ValueError(f"--master-rounding {rounding} rounds a bf16 master: it needs "
+                         f"--optimizer-states bf16-master, not {states}")
+    if states == "bf16-master" and (precision != "bf16" or grad_dtype not in (None, "bf16")):
+        raise ValueError("--optimizer-states bf16-master updates the bf16 weights themselves: it "
+                         f"needs --precision bf16 and bf16 gradients, not {precision} weights"
+                         + (f" with {grad_dtype} gradients" if grad_dtype else ""))
+
+
+def bytes_per_param(precision: str = "bf16", grad_dtype: str | None = None,
+                    states: str = "fp32", rounding: str = "nearest") -> dict[str, int]:
     """Bytes per parameter of each state: 2+2+4+4+4 for "bf16", 4+4+4+4+4 for "fp32".
 
     In "fp32" mode zerolab still keeps a separate fp32 master copy, so that every stage runs the
     same code path as in bf16 (the exact-equivalence tests use this mode).
     grad_dtype: the gradients' own dtype when it is not the weights' ("fp32" with bf16 weights:
     2+4+4+4+4 = 18 bytes, the fp32 gradient accumulation / reduction of Megatron and DeepSpeed).
-    Raises ValueError for any other precision or grad_dtype.
+    states, rounding: the low-precision ladder (`check_optimizer_states`, zerolab.optim):
+    "bf16-moments" stores exp_avg / exp_avg_sq in 2 bytes each (bf16: 2+2+4+2+2 = 12);
+    "bf16-master" makes the bf16 weights the master, 0 bytes of master_weights (8 in all), or 2
+    with rounding "kahan": its bf16 compensation buffer (10).
+    Raises ValueError for any other precision or grad_dtype, or a bad combination.
     """
     if precision == "bf16":
         out = dict(BYTES_PER_PARAM)
@@ -93,25 +122,30 @@ def bytes_per_param(precision: str = "bf16", grad_dtype: str | None = None) -> d
         if grad_dtype not in ("bf16", "fp32"):
             raise ValueError(f"grad_dtype {grad_dtype!r} is not one of 'bf16', 'fp32'")
         out["grads"] = 2 if grad_dtype == "bf16" else 4
+    if (states, rounding) != ("fp32", "nearest"):
+        check_optimizer_states(states, rounding, precision, grad_dtype)
+        out["exp_avg"] = out["exp_avg_sq"] = 2
+        if states == "bf16-master":
+            out["master_weights"] = 2 if rounding == "kahan" else 0
     return out
 
 
 def model_state_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
-                      optimizer_bytes: float | None = None,
-                      grad_dtype: str | None = None) -> dict[str, float]:
+                      optimizer_bytes: float | None = None, grad_dtype: str | None = None,
+                      states: str = "fp32", rounding: str = "nearest") -> dict[str, float]:
     """Per-rank bytes of each model state (activations and buffers excluded).
 
     psi: trainable parameter count Ψ. world_size: data-parallel ranks N. stage: 0 (DDP) to 3.
     optimizer_bytes: K, bytes of optimizer state per parameter (default 12: fp32 master + m_t +
-    v_t), split as master 4 and the rest evenly over exp_avg / exp_avg_sq. grad_dtype: see
-    `bytes_per_param`.
+    v_t), split as master 4 and the rest evenly over exp_avg / exp_avg_sq. grad_dtype, states,
+    rounding: see `bytes_per_param` (the ladder's states are sharded as the fp32 ones).
     Returns {state: bytes} for STATES; sharded states are psi/N * bytes (a float when N does not
     divide Ψ; zerolab pads each bucket, so measured bytes equal this formula at the padded Ψ).
     Raises ValueError for a bad stage, world size or precision.
     """
     check_stage(stage)
     check_world_size(world_size)
-    per_param = bytes_per_param(precision, grad_dtype)
+    per_param = bytes_per_param(precision, grad_dtype, states, rounding)
     if optimizer_bytes is not None:
         per_param["master_weights"] = min(4.0, optimizer_bytes)
         rest = max(0.0, optimizer_bytes - per_param["master_weights"]) / 2
@@ -121,33 +155,41 @@ def model_state_bytes(psi: float, world_size: int, stage: int, precision: str = 
 
 
 def model_state_total(psi: float, world_size: int, stage: int, precision: str = "bf16",
-                      optimizer_bytes: float | None = None, grad_dtype: str | None = None) -> float:
+                      optimizer_bytes: float | None = None, grad_dtype: str | None = None,
+                      states: str = "fp32", rounding: str = "nearest") -> float:
     """Sum of `model_state_bytes`: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N in bf16 (bytes per rank);
-    18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N with grad_dtype "fp32"."""
+    18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N with grad_dtype "fp32"; the ladder: `state_ladder`."""
     return sum(model_state_bytes(psi, world_size, stage, precision, optimizer_bytes,
-                                 grad_dtype).values())
+                                 grad_dtype, states, rounding).values())
 
 
 def grad_copy_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
-                    grad_dtype: str | None = None) -> float:
+                    grad_dtype: str | None = None, states: str = "fp32") -> float:
     """Per-rank bytes of the fp32 gradient copies alive inside the optimizer step (the
     "grad_fp32" transient): AdamW runs on fp32 master weights, so gradients held in bf16 are
     converted (`master.grad = grad.float()`) for the rank's whole update range - the full Ψ in
-    DDP, its 1/N range from ZeRO-1 on: 4Ψ or 4Ψ/N. Zero when the gradients already are fp32."""
+    DDP, its 1/N range from ZeRO-1 on: 4Ψ or 4Ψ/N. Zero when the gradients already are fp32.
+    states "bf16-master": the master is bf16 like the gradients, which it reads as they are
+    (none), but ZeRO-1, whose `zero1.own_gradient` hands over an fp32 copy that is then rounded
+    to a bf16 one: 2Ψ/N."""
     check_stage(stage)
+    if states == "bf16-master":
+        return 2 * psi / check_world_size(world_size) if stage == 1 else 0.0
     if bytes_per_param(precision, grad_dtype)["grads"] == 4:
         return 0.0
     return 4 * psi / (check_world_size(world_size) if stage >= 1 else 1)
 
 
 def peak_step_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
-                    grad_dtype: str | None = None) -> float:
+                    grad_dtype: str | None = None, states: str = "fp32",
+                    rounding: str = "nearest") -> float:
     """Per-rank bytes alive inside the optimizer step: the resident model states plus the fp32
     gradient copies. bf16: 20Ψ, 4Ψ + 16Ψ/N, 2Ψ + 18Ψ/N, 20Ψ/N (the resident 16Ψ, 4Ψ + 12Ψ/N,
     ... are what stays between steps); grad_dtype "fp32": no copy, the resident 18 bytes.
     Not counted: AdamW's own per-parameter temporaries (one parameter at a time) and scalars."""
-    return (model_state_total(psi, world_size, stage, precision, grad_dtype=grad_dtype)
-            + grad_copy_bytes(psi, world_size, stage, precision, grad_dtype))
+    return (model_state_total(psi, world_size, stage, precision, grad_dtype=grad_dtype,
+                              states=states, rounding=rounding)
+            + grad_copy_bytes(psi, world_size, stage, precision, grad_dtype, states))
 
 
 def accumulation_grad_bytes(psi: float, world_size: int, stage: int, precision: str = "bf16",
@@ -198,6 +240,39 @@ def traffic_bytes(psi: float, world_size: int, stage: int, precision: str = "bf1
         out["reduce_scatter"] = rs * grads * reductions
         out["all_gather"] = 2 * ag * params * grad_accum
     return out
+
+
+# --- ZeRO++'s quantized collectives (zerolab.quant): qwZ weights, qgZ gradients --------------------
+QUANT_BITS = {"int8": 8, "int4": 4}
+SCALE_BYTES = 4                 # one fp32 scale per block of quantized values
+
+
+def quantized_bytes(numel: int, bits: int, block: int, scale_bytes: int = SCALE_BYTES) -> int:
+    """Bytes of `numel` values quantized block-wise to `bits` bits: ceil(numel·bits/8) codes (int4:
+    two a byte) + scale_bytes·ceil(numel/block) scales. Block 256: int8 0.508x bf16, int4 0.258x."""
+    return math.ceil(numel * bits / 8) + scale_bytes * math.ceil(numel / block)
+
+
+def quantized_traffic_bytes(shard_numels, world_size: int, weights: str | None = None,
+                            grads: str | None = None, block: int = 256, precision: str = "bf16",
+                            grad_accum: int = 1, grad_dtype: str | None = None,
+                            no_sync: bool = False) -> dict[str, float]:
+    """ZeRO-3's bytes per rank per step with ZeRO++'s quantized collectives (`traffic_bytes`' keys),
+    from the units' padded shard sizes Ψ_u/N (blocks restart in every shard). weights "int8" (qwZ):
+    an all_gather moves (N-1)/N of N payloads of quantized_bytes(Ψ_u/N); grads "int8"/"int4" (qgZ):
+    the reduce_scatter is an all_to_all moving (N-1)/N of N such payloads; None: bf16/fp32 as
+    `traffic_bytes` (its stage-3 figures at the padded Ψ)."""
+    n, per_param = check_world_size(world_size), bytes_per_param(precision, grad_dtype)
+
+    def payload(fmt, plain):        # one rank's bytes of every unit's shard
+        if fmt is not None and fmt not in QUANT_BITS:
+            raise ValueError(f"{fmt!r} is not one of None, {', '.join(map(repr, QUANT_BITS))}")
+        return sum(quantized_bytes(s, QUANT_BITS[fmt], block) if fmt else s * plain
+                   for s in shard_numels)
+    w, g = payload(weights, per_param["params"]), payload(grads, per_param["grads"])
+    return {"all_reduce": 0.0, "reduce_scatter": RING_FACTOR["reduce_scatter"](n) * n * g
+            * (1 if no_sync else grad_accum),
+            "all_gather": 2 * RING_FACTOR["all_gather"](n) * n * w * grad_accum}
 
 
 def busbw(op: str, size_bytes: float, seconds: float, group_size: int) -> float:
@@ -301,6 +376,35 @@ def format_step_peaks(psi: float, world_size: int, precision: str = "bf16",
         lines.append(f"{STAGE_NAMES[stage]:<8}{resident / unit:>12.4g}{(resident + copies) / unit:>12.4g}"
                      f"{copies / unit:>18.4g}")
     return "\n".join(lines)
+
+
+# --- the low-precision state ladder (zerolab.optim; `zerolab memory` prints it) -------------
+#: its rungs, (optimizer_states, master_rounding), from 16 down to 8 bytes per parameter; as
+#: text: zerolab.course.ladder.format_state_ladder
+LADDER = (("fp32", "nearest"), ("bf16-moments", "nearest"), ("bf16-master", "kahan"),
+          ("bf16-master", "nearest"), ("bf16-master", "stochastic"))
+#: Megatron-LM's distributed optimizer, bytes per parameter (its docs, distrib_optimizer):
+#: (params, grads): (replicated, sharded 1/d). 20: fp16/bf16 params and grads, an fp32 copy of
+#: the gradient shard among the 16 sharded (zerolab's transient grad_fp32: `peak_step_bytes`'s
+#: 20Ψ); 18: fp32 grads (zerolab's --grad-dtype fp32); 16: fp32 params that are their own master
+#: (the idea of zerolab's "bf16-master" rung, in fp32).
+MEGATRON_BYTES = {("fp16", "fp16"): (4, 16), ("fp16", "fp32"): (6, 12), ("fp32", "fp32"): (8, 8)}
+
+
+def state_ladder(psi: float, world_size: int) -> list[dict]:
+    """One row per rung of LADDER (bf16 weights and gradients): states, rounding, each state's
+    bytes per parameter, bytes_per_param (their sum: 16, 12, 10, 8, 8) and per_rank
+    {stage: model-state bytes per rank} (16Ψ / 4Ψ + 12Ψ/N / 2Ψ + 14Ψ/N / 16Ψ/N for "fp32";
+    12Ψ / 4Ψ + 8Ψ/N / 2Ψ + 10Ψ/N / 12Ψ/N; 10Ψ / 4Ψ + 6Ψ/N / 2Ψ + 8Ψ/N / 10Ψ/N;
+    8Ψ / 4Ψ + 4Ψ/N / 2Ψ + 6Ψ/N / 8Ψ/N)."""
+    rows = []
+    for states, rounding in LADDER:
+        per = bytes_per_param("bf16", None, states, rounding)
+        rows.append({"states": states, "rounding": rounding, **per,
+                     "bytes_per_param": sum(per.values()),
+                     "per_rank": {s: model_state_total(psi, world_size, s, states=states,
+                                                       rounding=rounding) for s in STAGES}})
+    return rows
 
 
 # --- process groups of a 2-D device mesh (notebooks 08 and 09; exercise (f)) -----------------------

@@ -4,7 +4,8 @@ Idea (the notes' "ZeRO Stage 1"): forward and backward are DDP's - full bf16 wei
 gradients all-reduced bucket by bucket. Only the update changes: rank r keeps the fp32 master
 weights, exp_avg and exp_avg_sq of its own contiguous range of each bucket, updates only that
 range, writes it into its bf16 weights, and an all_gather brings every rank's updated range to
-everyone. Per rank: 2Ψ + 2Ψ + 12Ψ/N bytes (5.5Ψ at N = 8). The gradient path is the notes'
+everyone - at the end of the step (gather="after_step", the notes') or just before each block's
+next forward (gather="before_forward", FSDP's SHARD_GRAD_OP). Per rank: 2Ψ + 2Ψ + 12Ψ/N bytes (5.5Ψ at N = 8). The gradient path is the notes'
 all_reduce (3(n-1)/n·2Ψ bytes a step with the all_gather) or, with grad_op="reduce_scatter", a
 reduce_scatter that leaves only the owned range averaged (2(n-1)/n·2Ψ bytes).
 
@@ -20,7 +21,8 @@ import contextlib
 import torch
 
 from .guards import (adopt_edits, check_edits, check_step, claim_grads, fingerprint,
-                     shard_grads, sync_module_states)
+                     is_placeholder, shard_grads, sync_module_states)
+from .hooks import DEFAULT_GATHER, GATHER_MODES, GatherBeforeForward
 from .optim import make_flat_optimizer
 from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
                        check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
@@ -43,18 +45,34 @@ def publish_update(comm, unit):
                            unit=unit.name, async_op=True)
 
 
+DEFERRED = ("ZeRO-1 (gather='before_forward') gathers the other ranks' updated weights at the "
+            "next forward: read or change them inside `with strategy.gathered():` (every rank)")
+
+
 class ZeRO1:
     stage = 1
 
     def __init__(self, model, comm, *, grad_op="all_reduce", max_grad_norm=0.0,
-                 find_unused_parameters=False, grad_dtype=None, bucket_mb=None, meter=None,
-                 **adamw):
+                 find_unused_parameters=False, grad_dtype=None, bucket_mb=None,
+                 gather=DEFAULT_GATHER, meter=None, **adamw):
         """grad_op: the gradient collective, "all_reduce" (the notes') or "reduce_scatter".
         bucket_mb: gradient bucket cap in MiB (torch DDP's bucket_cap_mb; see DDP); None: one
-        bucket per block. The rest as in DDP."""
+        bucket per block.
+        gather: when the updated weights are all-gathered (default `hooks.DEFAULT_GATHER`, with
+        its measurements). "after_step", the notes': at the end of step() (`publish_update`),
+        every unit at once; nothing is left to compute, so the step waits for all of them.
+        "before_forward" (FSDP's SHARD_GRAD_OP, `hooks.GatherBeforeForward`): step() only writes
+        this rank's range; each unit's all_gather starts just before the next forward needs it,
+        one unit ahead, so it runs while the unit before computes. Same bytes (the ledger counts
+        each gather in the step whose update it carries), same memory (the full bf16 weights
+        stay resident); in between, the parameters are placeholders: reads raise, and
+        gathered(), full_parameters(), an eval forward and close() gather them first. The rest
+        as in DDP."""
         if grad_op not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"grad_op {grad_op!r} is not one of 'all_reduce', 'reduce_scatter'")
-        self.grad_op = grad_op
+        if gather not in GATHER_MODES:
+            raise ValueError(f"gather {gather!r} is not one of {', '.join(map(repr, GATHER_MODES))}")
+        self.grad_op, self.gather = grad_op, gather
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused = find_unused_parameters
@@ -75,8 +93,12 @@ class ZeRO1:
         self.inflight, self.sync, self.fresh = [], True, False
         self.ready = GradReady(self.units, self._grads_ready)
         self.handles = []
+        self.deferred = self.stepped = None
+        if gather == "before_forward":
+            self.deferred = GatherBeforeForward(model, self.units, self._gather, DEFERRED,
+                                                is_placeholder)
 
-    # --- forward: local, no communication ----------------------------------------------------
+    # --- forward: local (gather="before_forward": each unit's deferred all_gather first) -----
     def forward(self, x, y):
         with self.comm.phase("forward"):
             return self.model(x, y)
@@ -134,15 +156,32 @@ class ZeRO1:
             self._sample("optimizer step")
             handles = []
             for u in self.units:
-                handles.append(publish_update(self.comm, u))        # own range, all_gather
+                if self.deferred is None:
+                    handles.append(publish_update(self.comm, u))    # own range, all_gather
+                else:                                               # own range; gather later
+                    u.own(u.param_flat).copy_(u.master)
                 u.master.grad = None
                 u.grad_flat.zero_()                 # consumed: p.grad reads zeros, as after
                 u.used, u.averaged = [False] * len(u.params), False   # zero_grad(False)
                 claim_grads(u, u.grad_flat)         # (the placeholders of reduce_scatter go)
             for handle in handles:
                 handle.wait()
+            if self.deferred is not None:   # the other ranks' ranges arrive at the next forward
+                self.stepped = self.comm.step
+                self.deferred.defer()
         self._sample("step done")
         return norm
+
+    def _gather(self, u):                   # gather="before_forward": publish_update's second half
+        handle = self.comm.all_gather(u.param_flat, u.own(u.param_flat), what="params",
+                                      unit=u.name, async_op=True)
+        handle.record.step = self.stepped   # counted in the step whose update it carries
+        return handle
+
+    def _complete(self):                    # every reader of full weights: gather them first
+        if self.deferred is not None and self.deferred.pending:
+            with self.comm.phase("eval"):
+                self.deferred.complete()
 
     # --- what this rank holds ----------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -153,14 +192,18 @@ class ZeRO1:
                 "grad_fp32": grad_copies(self.units)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """{name: fp32 copy} of every parameter, as a single-process model would have it."""
+        """{name: fp32 copy} of every parameter, as a single-process model would have it
+        (gather="before_forward": collective, every rank calls it)."""
+        self._complete()
         return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
 
     @contextlib.contextmanager
     def gathered(self, modifier_rank=None):
-        """Full weights in the block - always true below ZeRO-3. modifier_rank=r: on exit, rank
-        r's weights are broadcast and written into every rank's master shard (DeepSpeed's
+        """Full weights in the block - always true below ZeRO-3 (gather="before_forward": the
+        step's deferred all_gathers are completed first). modifier_rank=r: on exit, rank r's
+        weights are broadcast and written into every rank's master shard (DeepSpeed's
         GatheredParameters). Every rank must enter."""
+        self._complete()
         before = fingerprint(self.units)
         yield
         if modifier_rank is None:           # the same edit on every rank: kept at the step
@@ -169,7 +212,11 @@ class ZeRO1:
             write_back(self, modifier_rank, sharded=True)
 
     def close(self):
-        """Remove every hook this strategy put on the model, so that it can be freed."""
+        """Remove every hook this strategy put on the model, so that it can be freed; the model
+        keeps the full trained weights (gather="before_forward": collective, gathers first)."""
+        if self.deferred is not None:
+            self.deferred.complete()
+            self.deferred.close()
         self.ready.close()
         for h in self.handles:
             h.remove()
@@ -191,8 +238,12 @@ class ZeRO1:
             u.master.copy_(u.own(read(u, "master")))                # [Ψ_u/N] own range
             set_adam_state(self.optimizer, u.master, u.own(read(u, "exp_avg")),
                            u.own(read(u, "exp_avg_sq")), step)
+        if self.deferred is not None:       # full weights written: nothing to gather
+            self.deferred.cancel()
 
     def _adopt_edits(self):
+        if self.deferred is not None and self.deferred.pending:
+            return                          # placeholders: nothing the loop could have edited
         for u in self.units:                # in place or `p.data = t`: the owner takes them
             adopt_edits(u, u.param_flat, u.master, u.own)
 

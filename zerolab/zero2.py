@@ -7,7 +7,10 @@ freed, so each rank keeps only the averaged gradient of its own range. Full grad
 once: the root bucket (tied embedding/head, open for the whole backward) plus at most three block
 buckets (two reducing, one filling) - whatever the depth of the model; with `bucket_mb` a bucket
 holds several consecutive blocks, so fewer reduce_scatters and a higher peak
-(`theory.zero2_bucket_peak_bytes`). The update is ZeRO-1's: own range, then all_gather. Per rank: 2Ψ + (2Ψ + 12Ψ)/N bytes (3.75Ψ at N = 8); traffic 2(n-1)/n·2Ψ a step.
+(`theory.zero2_bucket_peak_bytes`). The update is ZeRO-1's: own range, then all_gather - at the
+end of the step (gather="after_step", the notes') or just before each block's next forward
+(gather="before_forward", FSDP's SHARD_GRAD_OP). Per rank: 2Ψ + (2Ψ + 12Ψ)/N bytes (3.75Ψ at
+N = 8); traffic 2(n-1)/n·2Ψ a step.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 2 --preset tiny --steps 3
 
@@ -21,7 +24,9 @@ import contextlib
 import torch
 
 from .guards import (ShardedGrad, adopt_edits, check_edits, check_step, claim_grads,
-                     claim_shard_grads, fingerprint, shard_grads, sync_module_states)
+                     claim_shard_grads, fingerprint, is_placeholder, shard_grads,
+                     sync_module_states)
+from .hooks import DEFAULT_GATHER, GATHER_MODES, GatherBeforeForward
 from .optim import make_flat_optimizer
 from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
                        check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
@@ -47,14 +52,30 @@ def reduce_scatter_bucket(comm, unit, world_size: int):
     return handle
 
 
+DEFERRED = ("ZeRO-2 (gather='before_forward') gathers the other ranks' updated weights at the "
+            "next forward: read or change them inside `with strategy.gathered():` (every rank)")
+
+
 class ZeRO2:
     stage = 2
 
     def __init__(self, model, comm, *, max_grad_norm=0.0, find_unused_parameters=False,
-                 grad_dtype=None, bucket_mb=None, meter=None, **adamw):
+                 grad_dtype=None, bucket_mb=None, gather=DEFAULT_GATHER, meter=None, **adamw):
         """bucket_mb: gradient bucket cap in MiB (torch DDP's bucket_cap_mb; see DDP): a bucket
         of several blocks opens when the first of them starts its backward and is
-        reduce-scattered when all are done; None: one bucket per block. The rest as in DDP."""
+        reduce-scattered when all are done; None: one bucket per block.
+        gather: when the updated weights are all-gathered (default `hooks.DEFAULT_GATHER`, with
+        its measurements). "after_step", the notes': at the end of step(), every unit at once;
+        nothing is left to compute, so the step waits for all of them. "before_forward" (FSDP's
+        SHARD_GRAD_OP, `hooks.GatherBeforeForward`): step() only writes this rank's range; each
+        unit's all_gather starts just before the next forward needs it, one unit ahead, so it
+        runs while the unit before computes. Same bytes (the ledger counts each gather in the
+        step whose update it carries), same memory (the full bf16 weights stay resident); in
+        between, the parameters are placeholders: reads raise, and gathered(),
+        full_parameters(), an eval forward and close() gather them first. The rest as in DDP."""
+        if gather not in GATHER_MODES:
+            raise ValueError(f"gather {gather!r} is not one of {', '.join(map(repr, GATHER_MODES))}")
+        self.gather = gather
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
@@ -78,8 +99,12 @@ class ZeRO2:
         self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
         self.inflight, self.sync, self.fresh = [], True, False
         self.ready = GradReady(self.units, self._grads_ready)
+        self.deferred = self.stepped = None
+        if gather == "before_forward":
+            self.deferred = GatherBeforeForward(model, self.units, self._gather, DEFERRED,
+                                                is_placeholder)
 
-    # --- forward: local, no communication ----------------------------------------------------
+    # --- forward: local (gather="before_forward": each unit's deferred all_gather first) -----
     def forward(self, x, y):
         with self.comm.phase("forward"):
             return self.model(x, y)
@@ -147,8 +172,8 @@ class ZeRO2:
             handles = []
             for u in self.units:
                 u.own(u.param_flat).copy_(u.master)                 # fp32 -> bf16, own range
-                handles.append(self.comm.all_gather(u.param_flat, u.own(u.param_flat),
-                                                    what="params", unit=u.name, async_op=True))
+                if self.deferred is None:                           # before_forward: later
+                    handles.append(self._gather(u))
                 u.master.grad = None
                 u.grad_shard.zero_()
                 u.used = [False] * len(u.params)
@@ -156,8 +181,23 @@ class ZeRO2:
                     p.grad = None
             for handle in handles:
                 handle.wait()
+            if self.deferred is not None:   # the other ranks' ranges arrive at the next forward
+                self.stepped = self.comm.step
+                self.deferred.defer()
         self._sample("step done")
         return norm
+
+    def _gather(self, u):
+        handle = self.comm.all_gather(u.param_flat, u.own(u.param_flat), what="params",
+                                      unit=u.name, async_op=True)
+        if self.stepped is not None:        # deferred: counted in the step whose update it is
+            handle.record.step = self.stepped
+        return handle
+
+    def _complete(self):                    # every reader of full weights: gather them first
+        if self.deferred is not None and self.deferred.pending:
+            with self.comm.phase("eval"):
+                self.deferred.complete()
 
     # --- what this rank holds ----------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -172,14 +212,18 @@ class ZeRO2:
                 "grad_fp32": grad_copies(self.units)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """{name: fp32 copy} of every parameter, as a single-process model would have it."""
+        """{name: fp32 copy} of every parameter, as a single-process model would have it
+        (gather="before_forward": collective, every rank calls it)."""
+        self._complete()
         return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
 
     @contextlib.contextmanager
     def gathered(self, modifier_rank=None):
-        """Full weights in the block - always true below ZeRO-3. modifier_rank=r: on exit, rank
-        r's weights are broadcast and written into every rank's master shard (DeepSpeed's
+        """Full weights in the block - always true below ZeRO-3 (gather="before_forward": the
+        step's deferred all_gathers are completed first). modifier_rank=r: on exit, rank r's
+        weights are broadcast and written into every rank's master shard (DeepSpeed's
         GatheredParameters). Every rank must enter."""
+        self._complete()
         before = fingerprint(self.units)
         yield
         if modifier_rank is None:           # the same edit on every rank: kept at the step
@@ -188,7 +232,11 @@ class ZeRO2:
             write_back(self, modifier_rank, sharded=True)
 
     def close(self):
-        """Remove every hook this strategy put on the model, so that it can be freed."""
+        """Remove every hook this strategy put on the model, so that it can be freed; the model
+        keeps the full trained weights (gather="before_forward": collective, gathers first)."""
+        if self.deferred is not None:
+            self.deferred.complete()
+            self.deferred.close()
         self.ready.close()
         for h in self.handles:
             h.remove()
@@ -210,8 +258,12 @@ class ZeRO2:
             u.master.copy_(u.own(read(u, "master")))                # [Ψ_u/N] own range
             set_adam_state(self.optimizer, u.master, u.own(read(u, "exp_avg")),
                            u.own(read(u, "exp_avg_sq")), step)
+        if self.deferred is not None:       # full weights written: nothing to gather
+            self.deferred.cancel()
 
     def _adopt_edits(self):
+        if self.deferred is not None and self.deferred.pending:
+            return                          # placeholders: nothing the loop could have edited
         for u in self.units:                # in place or `p.data = t`: the owner takes them
             adopt_edits(u, u.param_flat, u.master, u.own)
 

@@ -25,6 +25,7 @@ from .guards import (ShardedGrad, agree, check_edits, check_step, claim_grads,
                      claim_loop_grads, claim_shard_grads, fingerprint, hand_grads,
                      is_placeholder, shard_grads, sync_module_states, take_replaced)
 from .optim import make_flat_optimizer
+from .quant import quantized_comm
 from .sharding import (GradReady, adam_state, alloc_storage, build_units, check_all_used,
                        check_trainable, clip_grad_norm_, fp32_grads, free_storage, global_used,
                        grad_copies, keep_own_range, on_post_backward, on_pre_backward,
@@ -85,7 +86,7 @@ class ZeRO3:
     def __init__(self, model, comm, *, prefetch=DEFAULT_PREFETCH, keep_root=False, max_grad_norm=0.0,
                  find_unused_parameters=False, grad_dtype=None, meter=None, blocks=None,
                  layout="flat", own_step=True, reshard_after_forward=True, param_dtype=None,
-                 units=None, **adamw):
+                 units=None, quantize=None, **adamw):
         """prefetch=1 (the default, DEFAULT_PREFETCH; True means 1) issues the next block's
         all_gather (forward order in forward, reverse in backward) as soon as the current block
         is gathered, so it can overlap the current block's compute; the price is a second
@@ -103,13 +104,14 @@ class ZeRO3:
         model's own forward hooks, so `model(x, y)` under torch.no_grad() works between steps.
         blocks: for model.zero_units(). layout: "flat" or "dim0" (`FlatUnit`). own_step=False,
         units (set up by `shard_unit`), reshard_after_forward, param_dtype: for
-        `zerolab.torchlike.fully_shard` (the loop's optimizer steps `u.master`; FSDP2's)."""
-        if isinstance(prefetch, bool):
-            prefetch = int(prefetch)
+        `zerolab.torchlike.fully_shard` (the loop's optimizer steps `u.master`; FSDP2's).
+        quantize: ZeRO++'s qwZ / qgZ, e.g. {"weights": "int8", "grads": "int4"} (`zerolab.quant`)."""
+        prefetch = int(prefetch) if isinstance(prefetch, bool) else prefetch
         if not isinstance(prefetch, int) or prefetch < -1:
             raise ValueError(f"prefetch {prefetch!r} must be a bool, a depth >= 0, or -1 (all)")
         self.keep_root, self.own_step, self.reshard = keep_root, own_step, reshard_after_forward
-        self.model, self.comm, self.meter, self.prefetch = model, comm, meter, prefetch
+        self.model, self.meter, self.prefetch = model, meter, prefetch
+        self.comm = quantized_comm(comm, quantize)      # comm itself unless quantize is given
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
         self.handles, self.pinned, self.sync, self.fresh = [], False, True, False
@@ -195,8 +197,7 @@ class ZeRO3:
         # gather left in flight across a step would bring back stale weights)
         for name in list(self.prefetched):
             self.prefetched.pop(name).wait()
-            u = next(u for u in self.blocks if u.name == name)
-            free_params(u)
+            free_params(next(u for u in self.blocks if u.name == name))
 
     # --- forward: gather each block just before it runs, free it right after -----------------
     def forward(self, x, y):

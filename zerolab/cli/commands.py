@@ -64,6 +64,15 @@ FORMULA = {
         "how all_reduce is modelled: ring, 2(n-1)α latency; tree, 2·⌈log2 n⌉α (NCCL's tree); "
         "auto, the cheaper of the two per collective. reduce_scatter / all_gather are always "
         "rings (NCCL has no tree for them)"))),
+    "ranks_per_node": (("--ranks-per-node",), dict(type=int, default=None, metavar="K", help=(
+        "two tiers: nodes of K ranks, --intra inside a node, --inter between nodes; a ring over "
+        "several nodes pays the slower tier (default: one link, --link)"))),
+    "intra": (("--intra",), dict(default=None, metavar="SPEC", help=(
+        "with --ranks-per-node: the link inside a node, a profile (nvlink4, pcie5, ...) or "
+        "GBPS[@LATENCY_US] (default: nvlink4)"))),
+    "inter": (("--inter",), dict(default=None, metavar="SPEC", help=(
+        "with --ranks-per-node: the link between nodes, a profile (ib-ndr, 400gbe, ...) or "
+        "GBPS[@LATENCY_US] (default: --link)"))),
 }
 
 
@@ -140,16 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--seq-len", type=number, default=2048, help=(
         "tokens per sequence T for attention's FLOPs, at most --tokens-per-rank; 0: the 6Ψ rule "
         "alone"))
-    _formula(tm, "algo", "precision")
+    _formula(tm, "algo", "precision", "ranks_per_node", "intra", "inter")
     tm.description = ("Step time of DDP and ZeRO-1/2/3 from the α-β cost model: compute (6Ψ + "
-                      "12·L·d·T) FLOPs per token at peak x MFU, collectives on one in-order link.")
+                      "12·L·d·T) FLOPs per token at peak x MFU, collectives on one in-order link "
+                      "(or two tiers: --ranks-per-node K --intra SPEC --inter SPEC).")
 
     wi = command("whatif", "one rank of a large world on a fake process group (timing/whatif.py)")
     wi.add_argument("--preset", default="1b", help="nano, tiny, small, gpt2, medium, 1b")
     _formula(wi, "world_size", world_size=1024)
     wi.add_argument("--rank", type=int, default=0, help="which rank to run")
     wi.add_argument("--stage", "--stages", dest="stages", default="0,1,2,3", help="stage or comma list")
-    _formula(wi, "precision", "tokens", "link", "device", "mfu", "algo")
+    _formula(wi, "precision", "tokens", "link", "device", "mfu", "algo", "ranks_per_node", "intra",
+             "inter")
     wi.description = ("One training step of each stage for one rank of a fake world: per-rank "
                       "bytes by state from the code (formula in brackets) and 'peak', the "
                       "largest total the memory meter saw during the step: the model states plus "
@@ -212,6 +223,10 @@ def cmd_memory(args) -> int:
                                      grad_dtype=args.grad_dtype))
     print("\nalive inside the optimizer step (resident + fp32 gradient copies), GB")
     print(theory.format_step_peaks(args.params, args.world_size, args.precision, args.grad_dtype))
+    print("\nthe low-precision state ladder (bf16 weights and grads; zerolab train "
+          "--optimizer-states, --master-rounding): bytes per parameter, then GB per rank")
+    from ..course.ladder import format_state_ladder
+    print(format_state_ladder(args.params, args.world_size))
     print(f"\nbytes sent per rank per step (ring algorithm, {args.precision} grads/params), GB")
     for stage in theory.STAGES:
         variants = ("all_reduce", "reduce_scatter") if stage == 1 else ("all_reduce",)
@@ -221,7 +236,26 @@ def cmd_memory(args) -> int:
             label = theory.STAGE_NAMES[stage] + (f" ({op})" if stage == 1 else "")
             parts = ", ".join(f"{k} {v / 1e9:.4g}" for k, v in t.items() if v)
             print(f"  {label:<26} {sum(t.values()) / 1e9:>9.4g}   = {parts or 'none'}")
+    for label, w, g in (("ZeRO-3 + qwZ int8", "int8", None), ("ZeRO-3 + qwZ + qgZ int4", "int8", "int4")):
+        t = theory.quantized_traffic_bytes([args.params / args.world_size], args.world_size, w, g,
+                                           precision=args.precision, grad_dtype=args.grad_dtype)
+        parts = ", ".join(f"{k} {v / 1e9:.4g}" for k, v in t.items() if v)      # zerolab/quant.py
+        print(f"  {label:<26} {sum(t.values()) / 1e9:>9.4g}   = {parts} (block 256, fp32 scales)")
     return 0
+
+
+def _network(args, link):
+    """`link`, or the two tiers of --ranks-per-node K --intra SPEC --inter SPEC (defaults:
+    nvlink4 inside, `link` between); ValueError (one line) for a bad value."""
+    from ..timing import hardware
+    if args.ranks_per_node is None:
+        given = [f for f, v in (("--intra", args.intra), ("--inter", args.inter)) if v is not None]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise ValueError(f"{' and '.join(given)} {verb} --ranks-per-node (ranks in each node)")
+        return link
+    return hardware.get_topology(args.ranks_per_node, args.intra or "nvlink4", args.inter or link,
+                                 args.world_size)
 
 
 def cmd_time(args) -> int:
@@ -232,7 +266,7 @@ def cmd_time(args) -> int:
         raise ValueError(f"--d-model {args.d_model} must be >= 1")
     if args.seq_len < 0:
         raise ValueError(f"--seq-len {args.seq_len:g} must be >= 0")
-    link = hardware.get_link(args.link, args.link_gbps, args.link_latency_us)
+    link = _network(args, hardware.get_link(args.link, args.link_gbps, args.link_latency_us))
     device = hardware.get_device(args.device, args.device_tflops)
     print(timetable.format_time_table(args.params, args.world_size, args.tokens_per_rank, link, device,
                                       args.blocks, args.precision, args.mfu, d_model=args.d_model,
@@ -244,7 +278,7 @@ def cmd_whatif(args) -> int:
     from ..timing import costmodel, hardware, whatif
     theory.check_world_size(args.world_size)
     costmodel.check_mfu(args.mfu, "--mfu")
-    link, device = hardware.get_link(args.link), hardware.get_device(args.device)
+    link, device = _network(args, hardware.get_link(args.link)), hardware.get_device(args.device)
     reports = whatif.whatif(args.preset, args.world_size, options.parse_stages(args.stages),
                             rank=args.rank, precision=args.precision)
     print(whatif.format_whatif(reports, link, device, args.tokens_per_rank, args.precision,

@@ -45,7 +45,7 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
 
     train_flags: any option of the ranks (`zerolab.run.options.PROGRAMS["ranks"]`) with
     underscores, e.g. batch_size=8, precision="fp32", zero1_grad_op="reduce_scatter",
-    timeline=True, grad_accum=2, zero3_prefetch=False.
+    timeline=True, grad_accum=2, zero3_prefetch=False, zero12_gather="before_forward".
     The run owns `out` while it lasts (a lock, a manifest: `zerolab.run.folders`); a run `out`
     already holds is replaced (re-executing a notebook reruns its cells), unless overwrite=False.
     Raises ValueError for bad arguments, a folder in use, or too little memory, before any process

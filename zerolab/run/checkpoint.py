@@ -85,7 +85,9 @@ MODEL_ARGS = ("preset", "block_size")
 RUNTIME_CONFIG = ("activation_checkpointing",)   # GPTConfig fields that change no parameter
 # options a resumed run takes from the checkpoint unless given on its command line
 RESUMED_ARGS = ("stages", "steps", *MODEL_ARGS, "batch_size", "grad_accum", "precision", "lr",
-                "weight_decay", "max_grad_norm", "seed", "data", "zero1_grad_op")
+                "weight_decay", "max_grad_norm", "seed", "data", "zero1_grad_op",
+                "optimizer_states", "master_rounding", "quantize_weights", "quantize_grads",
+                "quant_block")
 # not resumed: --bucket-mb (the unit layout). It changes no result, and the state is reloaded
 # through logical per-parameter tensors, so a run resumes with any bucket size (default: one
 # bucket per block), as with any world size.

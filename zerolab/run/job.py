@@ -41,6 +41,8 @@ def check(args, given: set[str] | None = None) -> tuple[str, str]:
     if getattr(args, "resume", None):       # fills the options not given from the checkpoint
         options.check_resume(args, given or set(), world_size)
     cfg = options.check(args, world_size)
+    if getattr(args, "ranks_per_node", None) is not None:   # --link-gbps: the ranks refuse it
+        options.check_backend(args, backend)
     check_out_dir(args.out)
     if args.rdzv_endpoint is not None:
         check_rdzv_endpoint(args.rdzv_endpoint)

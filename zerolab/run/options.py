@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import theory
+from .. import quant, theory
 from ..model import PRESETS, get_config
+from ..hooks import DEFAULT_GATHER, GATHER_MODES
 from ..timing import linkemu
 from ..zero3 import DEFAULT_PREFETCH
 
@@ -85,9 +86,22 @@ OPTIONS = {o.dest: o for o in (
     Option(("--weight-decay",), "AdamW weight decay of 2-D weights (biases and LayerNorm: none; "
            "nanoGPT)", {"type": float}),
     Option(("--max-grad-norm",), "global gradient clipping; <= 0: none", {"type": number()}),
+    Option(("--optimizer-states",), "AdamW's state dtypes (zerolab/optim.py), bytes per parameter "
+           "with bf16 weights and grads: fp32 (the default: 2+2+4+4+4 = 16), bf16-moments (bf16 "
+           "exp_avg / exp_avg_sq: 12), bf16-master (the bf16 weights are the master: 8; 10 with "
+           "--master-rounding kahan)", {"choices": theory.OPTIMIZER_STATES}),
+    Option(("--master-rounding",), "with --optimizer-states bf16-master: how the fp32 update is "
+           "rounded into the bf16 weights: nearest (the default), stochastic (unbiased; seeded by "
+           "--seed, step and rank), kahan (a bf16 compensation buffer, +2 bytes)",
+           {"choices": theory.MASTER_ROUNDING}),
     # --- the strategies' knobs -----------------------------------------------------------------
     Option(("--zero1-grad-op",), "ZeRO-1 gradient path: the notes' all_reduce, or reduce_scatter",
            {"choices": theory.ZERO1_GRAD_OPS}),
+    Option(("--zero12-gather",), "ZeRO-1/2: when the updated weights are all-gathered: "
+           "after_step (the notes': every unit at the end of the step) or before_forward (FSDP's "
+           "SHARD_GRAD_OP: each unit just before its next forward, one unit ahead, overlapping "
+           f"the previous unit's compute); same bytes. Default {DEFAULT_GATHER} (measured: "
+           "zerolab/hooks.py)", {"choices": GATHER_MODES}),
     Option(("--find-unused-parameters",), "allow parameters that get no gradient in a step "
            "(torch DDP's flag)", _ON),
     Option(("--bucket-mb",), "DDP / ZeRO-1 / ZeRO-2: gradient bucket cap in MiB (torch DDP's "
@@ -100,6 +114,14 @@ OPTIONS = {o.dest: o for o in (
            f"default {DEFAULT_PREFETCH}); overrides --zero3-prefetch", {"type": int}),
     Option(("--zero3-keep-root",), "ZeRO-3: keep the root unit gathered from forward into "
            "backward", _ON),
+    Option(("--quantize-weights",), "ZeRO-3: ZeRO++'s qwZ, the forward / backward all_gathers "
+           "carry int8 block-wise weights (about half the bytes; zerolab/quant.py); default: bf16",
+           {"choices": quant.WEIGHT_FORMATS}),
+    Option(("--quantize-grads",), "ZeRO-3: ZeRO++'s qgZ, the gradient reduce_scatter is an "
+           "all_to_all of int8 or int4 block-wise codes (about 1/2 or 1/4 of the bytes); default: "
+           "bf16", {"choices": quant.GRAD_FORMATS}),
+    Option(("--quant-block",), "elements per fp32 scale of --quantize-weights / --quantize-grads "
+           f"(default {quant.DEFAULT_BLOCK})", {"type": int, "metavar": "B"}),
     Option(("--activation-checkpointing",), "recompute each block's forward in backward "
            "(torch.utils.checkpoint)", _ON),
     # --- where it runs ---------------------------------------------------------------------------
@@ -114,6 +136,14 @@ OPTIONS = {o.dest: o for o in (
            {"type": float}),
     Option(("--link-latency-us",), "emulated link latency α, microseconds per ring step (with "
            "--link-gbps)", {"type": float}),
+    Option(("--ranks-per-node",), "emulate nodes of K consecutive ranks with two links, --intra "
+           "inside a node and --inter between nodes (gloo only; zerolab/timing/linkemu.py): each "
+           "collective is timed by the tiers its ranks cross", {"type": int, "metavar": "K"}),
+    Option(("--intra",), "with --ranks-per-node: the link inside a node, a profile (nvlink4, "
+           "pcie4, ...; zerolab/timing/hardware.py) or GBPS[@LATENCY_US], e.g. 1@20",
+           {"metavar": "SPEC"}),
+    Option(("--inter",), "with --ranks-per-node: the link between nodes, a profile (ib-ndr, "
+           "100gbe, ...) or GBPS[@LATENCY_US], e.g. 0.1@200", {"metavar": "SPEC"}),
     # --- what it writes --------------------------------------------------------------------------
     Option(("--out",), "output folder: OUT/stage{S}/rank{r}.json for every stage and rank"),
     Option(("--overwrite",), "replace the run OUT already holds (default: refuse)", _ON,
@@ -143,10 +173,13 @@ OPTIONS = {o.dest: o for o in (
 )}
 
 TRAINING = ("stages", "preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
-            "grad_dtype", "data", "seed", "lr", "weight_decay", "max_grad_norm", "zero1_grad_op",
-            "find_unused_parameters", "bucket_mb", "zero3_prefetch", "zero3_prefetch_depth",
-            "zero3_keep_root", "activation_checkpointing", "backend", "device", "timeout",
-            "link_gbps", "link_latency_us", "out", "overwrite", "timeline", "trace", "save_params")
+            "grad_dtype", "data", "seed", "lr", "weight_decay", "max_grad_norm",
+            "optimizer_states", "master_rounding", "zero1_grad_op",
+            "zero12_gather", "find_unused_parameters", "bucket_mb", "zero3_prefetch",
+            "zero3_prefetch_depth", "zero3_keep_root", "quantize_weights", "quantize_grads",
+            "quant_block", "activation_checkpointing", "backend",
+            "device", "timeout", "link_gbps", "link_latency_us", "ranks_per_node", "intra",
+            "inter", "out", "overwrite", "timeline", "trace", "save_params")
 CHECKPOINTS = ("save_every", "resume")
 LAUNCHER = ("nproc", "nnodes", "node_rank", "rdzv_endpoint")
 RANKS_ONLY = ("cuda_snapshot", "no_allocator", "run_id", "crash_in_save", "crash_rank")
@@ -156,6 +189,7 @@ PROGRAMS = {"ranks": TRAINING + CHECKPOINTS + RANKS_ONLY, "train": TRAINING + CH
             "compare": TRAINING + LAUNCHER}
 _COMMON = {"preset": "tiny", "batch_size": 8, "grad_accum": 1, "precision": "bf16", "seed": 0,
            "lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 1.0, "zero1_grad_op": "all_reduce",
+           "zero12_gather": DEFAULT_GATHER,
            "backend": "auto", "device": "auto", "timeout": 900, "nnodes": 1, "node_rank": 0}
 #: each program's defaults (an option not named here defaults to None, or off)
 DEFAULTS = {
@@ -296,6 +330,8 @@ def check(args, world_size: int):
     for name in ("lr", "timeout"):
         theory.check_finite(f"--{name}", getattr(args, name), positive=True)
     theory.check_finite("--max-grad-norm", args.max_grad_norm)
+    theory.check_optimizer_states(*optimizer_ladder(args).values(), args.precision,
+                                  getattr(args, "grad_dtype", None))
     theory.check_finite("--weight-decay", getattr(args, "weight_decay", 0.0), minimum=0)
     check_seed(args.seed)
     if getattr(args, "bucket_mb", None) is not None:
@@ -305,13 +341,59 @@ def check(args, world_size: int):
         raise ValueError(f"--zero3-prefetch-depth {depth} must be >= 0, or -1 (all blocks)")
     linkemu.from_args(getattr(args, "link_gbps", None), getattr(args, "link_latency_us", None),
                       world_size)          # ValueError for a bad emulated link
+    tiers(args, world_size)                 # ValueError for bad emulated tiers
+    quantize(args)                          # ValueError: a bad block, or not ZeRO-3
     if args.batch_size % (world_size * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
                          f"{world_size} x --grad-accum {args.grad_accum}")
     save_every = getattr(args, "save_every", None)          # `zerolab compare` has none
     if save_every is not None and save_every < 0:
         raise ValueError(f"--save-every {save_every} must be >= 0 (0: only at the end)")
+    if getattr(args, "master_rounding", None) == "kahan" and (save_every is not None
+                                                              or getattr(args, "resume", None)):
+        raise ValueError("--master-rounding kahan cannot be checkpointed yet (the compensation "
+                         "buffer is not saved, so a resume would differ): drop --save-every / "
+                         "--resume, or use --master-rounding stochastic")
     return cfg
+
+
+def tiers(args, world_size: int):
+    """The emulated two-tier network of --ranks-per-node / --intra / --inter (a
+    hardware.Topology), or None; ValueError (one line) for a bad combination or value
+    (`linkemu.tiers_from_args`)."""
+    return linkemu.tiers_from_args(getattr(args, "ranks_per_node", None), getattr(args, "intra", None),
+                                   getattr(args, "inter", None), world_size,
+                                   getattr(args, "link_gbps", None))
+
+
+def quantize(args):
+    """ZeRO-3's `quant.Quantize` of --quantize-weights / --quantize-grads / --quant-block, or None;
+    ValueError (one line) for --quant-block alone or < 1, or a stage other than 3 in --stage."""
+    w, g, b = (getattr(args, k, None) for k in ("quantize_weights", "quantize_grads", "quant_block"))
+    if w is None and g is None:
+        if b is not None:
+            raise ValueError(f"--quant-block {b} needs --quantize-weights or --quantize-grads")
+        return None
+    flag = "--quantize-weights" if w is not None else "--quantize-grads"
+    other = [str(s) for s in parse_stages(args.stages) if s != 3]
+    if other:
+        raise ValueError(f"{flag} quantizes ZeRO-3's collectives only, not stage "
+                         f"{', '.join(other)}: run it with --stage 3")
+    if b is not None and b < 1:
+        raise ValueError(f"--quant-block {b} must be >= 1 (elements per scale)")
+    return quant.Quantize(weights=w, grads=g, block=quant.DEFAULT_BLOCK if b is None else b)
+
+
+def check_backend(args, backend: str):
+    """ValueError (one line) when an emulated link (--link-gbps, --ranks-per-node) meets a
+    backend other than gloo: NCCL's kernels would not wait for the emulator's host-side sleep."""
+    if backend == "gloo":
+        return
+    if getattr(args, "ranks_per_node", None) is not None:
+        raise ValueError(f"--ranks-per-node emulates two tiers of links for gloo only, not "
+                         f"--backend {backend} (add --backend gloo)")
+    if getattr(args, "link_gbps", None) is not None:
+        raise ValueError(f"--link-gbps emulates a link for gloo only, not --backend {backend}")
 
 
 def check_resume(args, given: set[str], world_size: int):
@@ -336,6 +418,13 @@ def check_resume(args, given: set[str], world_size: int):
         raise ValueError(f"--steps {args.steps} leaves nothing to train after the checkpoint's "
                          f"step {ckpt.step}: give --steps > {ckpt.step}")
     return ckpt, notes
+
+
+def optimizer_ladder(args) -> dict:
+    """{"states", "rounding"}: the rung of --optimizer-states / --master-rounding (defaults
+    "fp32", "nearest"), as `theory.bytes_per_param` takes them."""
+    return {"states": getattr(args, "optimizer_states", None) or "fp32",
+            "rounding": getattr(args, "master_rounding", None) or "nearest"}
 
 
 def zero3_prefetch_depth(args) -> int:

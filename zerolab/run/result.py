@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .. import theory
 from ..memory import padding_bytes
-from .options import zero3_prefetch_depth
+from .options import optimizer_ladder, quantize, zero3_prefetch_depth
 
 
 def stage_result(st, ledger: list[dict]) -> dict:
@@ -26,7 +26,13 @@ def stage_result(st, ledger: list[dict]) -> dict:
     n, psi, A = comm.world_size, st.psi, args.grad_accum
     psi_padded = sum(u.padded_numel for u in st.strategy.units)
     gd = getattr(args, "grad_dtype", None)
+    ladder = optimizer_ladder(args)     # {"states", "rounding"}: the optimizer's state dtypes
     measured_state = {s: st.memory["current"].get(s, 0) for s in theory.STATES}
+    q = quantize(args) if stage == 3 else None          # ZeRO++'s quantized collectives, or None
+    traffic_padded = (theory.quantized_traffic_bytes(
+        [u.shard_numel for u in st.strategy.units], n, q.weights, q.grads, q.block, args.precision,
+        A, gd) if q else theory.traffic_bytes(psi_padded, n, stage, args.precision,
+                                              args.zero1_grad_op, A, gd))
     return {
         "run_id": args.run_id, "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": comm.rank,
         "world_size": n, "params_sha256": st.params_sha256,
@@ -34,12 +40,17 @@ def stage_result(st, ledger: list[dict]) -> dict:
         "preset": args.preset, "model_config": st.cfg.__dict__, "num_params": psi,
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "grad_dtype": gd or args.precision,
+        "optimizer_states": ladder["states"], "master_rounding": ladder["rounding"],
         "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
+        "zero12_gather": getattr(args, "zero12_gather", None) if stage in (1, 2) else None,
         "bucket_mb": getattr(args, "bucket_mb", None) if stage in (0, 1, 2) else None,
         "zero3_prefetch": zero3_prefetch_depth(args) if stage == 3 else None,
         "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
+        "quantize": ({"weights": q.weights, "grads": q.grads, "block": q.block} if q else None),
         "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
                  if args.link_gbps is not None else None),
+        "tiers": ({"ranks_per_node": args.ranks_per_node, "intra": args.intra, "inter": args.inter}
+                  if getattr(args, "ranks_per_node", None) is not None else None),
         "seed": args.seed, "start_step": st.start, "resumed_from": st.resumed_from,
         "checkpoints": st.saved, "losses": st.losses, "val_loss": st.val_loss,
         "grad_norms": st.norms, "step_times_s": st.times,
@@ -47,17 +58,18 @@ def stage_result(st, ledger: list[dict]) -> dict:
                    "shard_numel": u.shard_numel, "padding_in_shard": u.padding_in_shard()}
                   for u in st.strategy.units],
         "memory": {"model_states": measured_state, "model_states_total": sum(measured_state.values()),
-                   "padding": padding_bytes(st.strategy.units, stage, args.precision, gd),
+                   "padding": padding_bytes(st.strategy.units, stage, args.precision, gd, **ladder),
                    **st.memory, "allocator": st.allocator, "checkpoint": st.checkpoint_memory},
         "theory": {
-            "model_states": theory.model_state_bytes(psi, n, stage, args.precision, grad_dtype=gd),
+            "model_states": theory.model_state_bytes(psi, n, stage, args.precision, grad_dtype=gd,
+                                                     **ladder),
             "model_states_padded": theory.model_state_bytes(psi_padded, n, stage, args.precision,
-                                                            grad_dtype=gd),
-            "peak_in_step_padded": theory.peak_step_bytes(psi_padded, n, stage, args.precision, gd),
+                                                            grad_dtype=gd, **ladder),
+            "peak_in_step_padded": theory.peak_step_bytes(psi_padded, n, stage, args.precision, gd,
+                                                          **ladder),
             "traffic_per_step": theory.traffic_bytes(psi, n, stage, args.precision,
                                                      args.zero1_grad_op, A, gd),
-            "traffic_per_step_padded": theory.traffic_bytes(psi_padded, n, stage, args.precision,
-                                                            args.zero1_grad_op, A, gd),
+            "traffic_per_step_padded": traffic_padded,
         },
         "comm": {"bytes_per_step": comm.bytes_by_op(step=args.steps - 1), "records": ledger,
                  "time_sources": comm.time_sources()},

@@ -28,13 +28,14 @@ import torch
 
 from .. import STRATEGIES, theory
 from ..data import get_batch, rank_slice
+from ..hooks import DEFAULT_GATHER
 from ..memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memory_history,
                       transient_peak)
 from ..model import GPT, num_params
 from ..timing import trace
 from . import checkpoint
 from .folders import atomic_json, atomic_path
-from .options import DTYPES, model_config, zero3_prefetch_depth
+from .options import DTYPES, model_config, optimizer_ladder, quantize, zero3_prefetch_depth
 from .result import stage_result
 
 
@@ -105,13 +106,20 @@ def make_strategy(stage, model, comm, args, meter):
                   weight_decay=args.weight_decay,
                   find_unused_parameters=getattr(args, "find_unused_parameters", False),
                   grad_dtype=DTYPES[args.grad_dtype] if getattr(args, "grad_dtype", None) else None)
+    ladder = optimizer_ladder(args)         # FlatAdamW's state dtypes (zerolab.optim)
+    if ladder["states"] != "fp32":
+        kwargs.update(optimizer_states=ladder["states"], master_rounding=ladder["rounding"],
+                      rounding_seed=args.seed)
     if stage in (0, 1, 2):
         kwargs["bucket_mb"] = getattr(args, "bucket_mb", None)
     if stage == 1:
         kwargs["grad_op"] = args.zero1_grad_op
+    if stage in (1, 2):
+        kwargs["gather"] = getattr(args, "zero12_gather", None) or DEFAULT_GATHER
     if stage == 3:
         kwargs["prefetch"] = zero3_prefetch_depth(args)
         kwargs["keep_root"] = getattr(args, "zero3_keep_root", False)
+        kwargs["quantize"] = quantize(args)     # ZeRO++ qwZ / qgZ (zerolab.quant), or None
     return STRATEGIES[stage](model, comm, **kwargs)
 
 

@@ -92,9 +92,9 @@ def main(argv=None) -> int:
                                                 args.backend, args.device)
         check_device(args)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
-        link = linkemu.from_args(args.link_gbps, args.link_latency_us, world_size)
-        if link is not None and args.backend != "gloo":
-            raise ValueError(f"--link-gbps emulates a link for gloo only, not --backend {args.backend}")
+        link = linkemu.emulator(args.link_gbps, args.link_latency_us, world_size,
+                                options.tiers(args, world_size))
+        options.check_backend(args, args.backend)
     except ValueError as err:
         if int(os.environ["RANK"]) == 0:
             print(f"{PROG}: error: {err}", file=sys.stderr)

@@ -15,14 +15,18 @@ algorithms it estimates fastest for each call. `collective_time(..., algorithm=)
 default, what every figure of the course uses unless it says otherwise), "tree" or "auto" (the
 cheaper of the two). NCCL's tree exists for all_reduce only (NVIDIA/nccl#1473): reduce_scatter and
 all_gather stay ring here under every algorithm. Not modelled: NCCL's PAT (2.23+, logarithmic
-reduce_scatter / all_gather, one GPU per node only), NVLS / CollNet (in-switch reductions), and
-that a real ring's hops inside a node cost less than the network hops.
+reduce_scatter / all_gather, one GPU per node only), NVLS / CollNet (in-switch reductions).
+
+Two tiers (a `hardware.Topology`: nodes of k ranks, an intra and an inter link): a collective
+is timed by the tiers its group's ring crosses, and a hierarchical all_reduce pays each tier for
+its own part - the formulas are in `collectives.py` (with the one-tier ones above, re-exported
+here); `step_time` replays a step on either network.
 
 Compute (`flops.py`, re-exported here): (6Ψ + 12·L·d·T) FLOPs per token, attention included,
 over the FLOP/s training really reaches, the device's peak x MFU (default 0.4, what large runs
 report; 1.0 is the datasheet peak, which no run reaches). A step is then replayed as
-zerolab's strategies issue it (`step_time`): one compute stream, one link that
-serves collectives in the order they were issued (NCCL runs a communicator's collectives in
+zerolab's strategies issue it (`step_time`): one compute stream, one link (or one per tier)
+that serves collectives in the order they were issued (NCCL runs a communicator's collectives in
 order on one stream; `linkemu` does the same). "Without overlap" waits for every collective as
 soon as it is issued; "with overlap" lets a bucket's gradient collective run during the rest of
 backward and, in ZeRO-3 with prefetch, the next block's all_gather during the current block.
@@ -44,55 +48,15 @@ and devices, with their sources: `hardware.py`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from .. import theory
 from .flops import (MFU, MFU_SOURCE, check_mfu, compute_time,  # noqa: F401 (costmodel.compute_time)
                     flops_per_token, shape_from_params)
-from .hardware import Device, Link
-
-OPS = tuple(theory.RING_FACTOR)
-ALGORITHMS = ("ring", "tree", "auto")      # how an all_reduce is modelled (`collective_time`)
-
-# --- one collective, one compute -----------------------------------------------------------
-def ring_steps(op: str, n: int) -> int:
-    """Latency-bound steps of the ring: 2(n-1) for all_reduce, n-1 for the others."""
-    if op not in theory.RING_FACTOR:
-        raise ValueError(f"op {op!r} is not one of {', '.join(OPS)}")
-    return (2 if op == "all_reduce" else 1) * (theory.check_world_size(n) - 1)
-
-
-def tree_steps(n: int) -> int:
-    """Latency-bound steps of a binary-tree all_reduce: 2·⌈log2 n⌉ (reduce up, broadcast down)."""
-    return 2 * math.ceil(math.log2(theory.check_world_size(n)))
-
-
-def check_algorithm(algorithm: str) -> str:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    return algorithm
-
-
-def collective_time(op: str, size_bytes: float, n: int, link: Link, algorithm: str = "ring") -> float:
-    """Seconds for `op` of the full array S = size_bytes on n ranks: steps·α + bytes/β.
-
-    algorithm "ring": 2(n-1)·α + 2(n-1)/n · S/β for all_reduce, (n-1)·α + (n-1)/n · S/β for
-    reduce_scatter and all_gather. "tree" (all_reduce only; the others stay ring, as in NCCL):
-    2·⌈log2 n⌉·α + 2·S/β. "auto": the cheaper of the two, as NCCL's tuner picks per call.
-    0 for n = 1 (nothing moves). Raises ValueError for an unknown op or algorithm, or a bad n.
-    Source: nccl-tests PERFORMANCE.md (ring bytes), scaling-book (α-β model), NVIDIA/nccl#457
-    (a tree all_reduce sends 2S per rank).
-    """
-    steps = ring_steps(op, n)
-    check_algorithm(algorithm)
-    if n == 1:
-        return 0.0
-    ring = steps * link.latency + theory.RING_FACTOR[op](n) * size_bytes / link.bandwidth
-    if op != "all_reduce" or algorithm == "ring":
-        return ring
-    tree = tree_steps(n) * link.latency + 2 * size_bytes / link.bandwidth
-    return tree if algorithm == "tree" else min(ring, tree)
+from .collectives import (ALGORITHMS, OPS, Clocks, Leg, check_algorithm,  # noqa: F401 (re-exported)
+                          collective_time, flat_leg, flat_link, hierarchical_all_reduce, legs,
+                          ring_steps, tier_bytes, tree_steps)
+from .hardware import TIERS, Device, Link, Topology
 
 
 # --- a step, replayed ----------------------------------------------------------------------
@@ -137,6 +101,8 @@ class Collective:
     issued: float
     start: float
     end: float
+    tier: str = "link"      # the tier(s) it paid: "link" (one tier), "intra", "inter", "intra+inter"
+    legs: tuple = ()        # its Legs (a hierarchical all_reduce: three)
 
 
 @dataclass
@@ -165,14 +131,31 @@ class StepTime:
             out[c.op] += c.end - c.start
         return out
 
+    def by_op_tier(self) -> dict[str, dict[str, float]]:
+        """Seconds of the legs by op and by the tier they paid: {op: {tier: s}} (a hierarchical
+        all_reduce's legs under "all_reduce"), ops in OPS order."""
+        out: dict[str, dict[str, float]] = {op: {} for op in OPS}
+        for c in self.collectives:
+            for leg in c.legs:
+                out[c.op][leg.tier] = out[c.op].get(leg.tier, 0.0) + leg.seconds
+        return {op: per for op, per in out.items() if per}
+
+    def tiers(self) -> list[str]:
+        """The tiers the step's collectives paid, in TIERS order (["link"] for one tier)."""
+        paid = {leg.tier for c in self.collectives for leg in c.legs}
+        return [t for t in ("link", *TIERS) if t in paid]
+
 
 class _Replay:
-    """One compute stream and one in-order link; `blocking` waits for each collective at once."""
+    """One compute stream and an in-order link per tier (`Clocks`); `blocking` waits for each
+    collective at once."""
 
-    def __init__(self, stage, n, link, overlap, algorithm="ring"):
+    def __init__(self, stage, n, link, overlap, algorithm="ring", hierarchical=False):
         self.n, self.link, self.blocking = n, link, not overlap
         self.algorithm = check_algorithm(algorithm)
-        self.t = self.link_free = 0.0
+        self.hierarchical = hierarchical
+        self.t = 0.0
+        self.clocks = Clocks()
         self.out = StepTime(stage, overlap)
         self.phase = "forward"
 
@@ -183,10 +166,11 @@ class _Replay:
         self.out.compute += seconds
 
     def issue(self, op, size_bytes, unit) -> float:
-        start = max(self.t, self.link_free)
-        end = start + collective_time(op, size_bytes, self.n, self.link, self.algorithm)
-        self.link_free = end
-        self.out.collectives.append(Collective(op, unit, self.phase, size_bytes, self.t, start, end))
+        parts = legs(op, size_bytes, self.n, self.link, self.algorithm, self.hierarchical)
+        start, end = self.clocks.place(parts, self.t)
+        tier = "+".join(t for t in ("link", *TIERS) if any(p.tier == t for p in parts))
+        self.out.collectives.append(Collective(op, unit, self.phase, size_bytes, self.t, start, end,
+                                               tier, tuple(parts)))
         if self.blocking:
             self.t = end
         return end
@@ -223,9 +207,10 @@ def merge_units(units: list[Unit], bucket_numel: float) -> list[Unit]:
     return out
 
 
-def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, overlap: bool = True,
-              prefetch: bool | int = False, precision: str = "bf16", zero1_grad_op: str = "all_reduce",
-              clip: bool = True, keep_root: bool = False, algorithm: str = "ring") -> StepTime:
+def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topology, *,
+              overlap: bool = True, prefetch: bool | int = False, precision: str = "bf16",
+              zero1_grad_op: str = "all_reduce", clip: bool = True, keep_root: bool = False,
+              algorithm: str = "ring", hierarchical: bool = False) -> StepTime:
     """Replay one optimizer step (one micro-step) of zerolab's `stage` and return its timing.
 
     units: forward order; a unit named "root" is treated as `Unit` says. The collectives are
@@ -239,7 +224,10 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, ove
     stays gathered from forward into backward (FSDP2's default for the root), saving its second
     all_gather. Sizes: bf16 grads and params (4 bytes each in "fp32"). algorithm: how every
     all_reduce is modelled (`collective_time`: "ring", "tree" or "auto"; the others are rings).
-    Returns a StepTime (seconds).
+    link: one Link, or a hardware.Topology of two tiers: every collective then runs on all
+    world_size ranks as `flat_leg` says (one ring through every node: the slower tier), or, each
+    all_reduce with `hierarchical`, as `hierarchical_all_reduce`'s three legs; each tier's link
+    serves its legs in issue order (`Clocks`). Returns a StepTime (seconds).
     """
     depth = int(prefetch) if not isinstance(prefetch, bool) else int(prefetch)
     if depth < -1:
@@ -250,7 +238,7 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, ove
     gw, pw = width["grads"], width["params"]
     root = [u for u in units if u.name == "root"]
     blocks = [u for u in units if u.name != "root"]
-    sim = _Replay(stage, n, link, overlap, algorithm)
+    sim = _Replay(stage, n, link, overlap, algorithm, hierarchical)
     grad_op = {0: "all_reduce", 1: zero1_grad_op, 2: "reduce_scatter", 3: "reduce_scatter"}[stage]
     limit = 2 if stage >= 2 else None          # buckets in flight (ZeRO-2/3 wait beyond two)
     inflight: list[float] = []
@@ -316,7 +304,7 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link, *, ove
     return sim.out
 
 
-def zero3_comm_bound_tokens(block_params: float, world_size: int, link: Link, device: Device,
+def zero3_comm_bound_tokens(block_params: float, world_size: int, link: Link | Topology, device: Device,
                             precision: str = "bf16", mfu: float = MFU, *, d_model: int = 0,
                             seq_len: float = 0) -> float:
     """Tokens per rank T* below which a ZeRO-3 block's all_gather outlasts its forward compute.
@@ -327,21 +315,24 @@ def zero3_comm_bound_tokens(block_params: float, world_size: int, link: Link, de
     + latency. The attention term (the block is one layer of width d_model, sequences of seq_len
     tokens) adds compute and lowers T*. Returns T* in tokens (0 for n = 1). Source: the module
     docstring; scaling-book's "when is FSDP communication-bound" uses the same ratio of FLOP/s to
-    bandwidth. The all_gather is a ring under every algorithm (NCCL has no tree all_gather).
+    bandwidth. The all_gather is a ring under every algorithm (NCCL has no tree all_gather). On a
+    Topology it is the flat ring over all world_size ranks (`flat_leg`: the slower tier's time).
     """
     check_mfu(mfu)
     w = theory.bytes_per_param(precision)["params"]
-    t_gather = collective_time("all_gather", w * block_params, world_size, link)
+    t_gather = sum(leg.seconds for leg in legs("all_gather", w * block_params, world_size, link))
     per_token = flops_per_token(block_params, n_layer=1, d_model=d_model, seq_len=seq_len,
                                 passes="fwd")
     return t_gather * device.flops * mfu / per_token
 
 
-def latency_note(world_size: int, link: Link, algorithm: str = "ring") -> str:
+def latency_note(world_size: int, link: Link | Topology, algorithm: str = "ring") -> str:
     """One line: which algorithm the collectives are modelled with, and at this N what a ring
-    all_reduce's latency costs against NCCL's tree (`collective_time`)."""
+    all_reduce's latency costs against NCCL's tree (`collective_time`; on a Topology, at the α of
+    the link a flat ring over all N ranks is bound by, `flat_link`)."""
     n = theory.check_world_size(world_size)
     check_algorithm(algorithm)
+    link = flat_link(link, n)
     if n <= 2:
         return "collectives: ring (at N <= 2 a tree all_reduce has as many steps)"
     ms = (lambda steps: f"{steps * link.latency * 1e3:.3g} ms")

@@ -8,6 +8,15 @@ custom one from Gb/s, microseconds or TFLOP/s, and name it custom.
     get_link("ib-ndr").bandwidth          # 50e9 bytes/s: 400 Gb/s per port, one port per GPU
     get_link("ib-ndr", gbps=200).name     # 'ib-ndr with a custom bandwidth'
     get_device("h100").flops              # 989e12 FLOP/s, bf16 dense
+
+Two tiers (`Topology`): ranks grouped into nodes of k consecutive ranks (rank r on node r // k),
+an intra-node link between the ranks of a node (NVLink, PCIe) and an inter-node link between
+nodes (InfiniBand, Ethernet), each given per rank per direction as above: every rank has its own
+share of the node's network (one NIC per GPU, as HGX / DGX nodes are built). `parse_link` reads
+a profile name or a custom GBPS[@LATENCY_US]; `get_topology` checks k against the world size.
+
+    get_topology(8, "nvlink4", "ib-ndr", world_size=64)   # 8 nodes x 8 ranks
+    get_topology(2, "1@20", "0.1@200", world_size=4)       # 2 x 2, slow links for gloo on a laptop
 """
 from __future__ import annotations
 
@@ -53,6 +62,8 @@ LINKS = {
                    "port per GPU -> 50 GB/s each way; " + _ALPHA),
     "ib-hdr": Link("ib-hdr", 25e9, 5e-6, "InfiniBand HDR (ConnectX-6): 200 Gb/s per port, one "
                    "port per GPU -> 25 GB/s each way; " + _ALPHA),
+    "400gbe": Link("400gbe", 50e9, 10e-6, "400 Gigabit Ethernet (e.g. RoCE v2 on ConnectX-7 / "
+                   "Spectrum-X), one port per GPU: 50 GB/s each way; " + _ALPHA),
     "100gbe": Link("100gbe", 12.5e9, 20e-6, "100 Gigabit Ethernet: 12.5 GB/s each way; " + _ALPHA),
     "25gbe": Link("25gbe", 3.125e9, 30e-6, "25 Gigabit Ethernet: 3.125 GB/s each way; " + _ALPHA),
 }
@@ -106,3 +117,89 @@ def get_device(name: str | None = None, tflops: float | None = None) -> Device:
         raise ValueError(f"device {name!r} is not one of {', '.join(DEVICES)} "
                          "(or a peak in TFLOP/s for a custom one)")
     return DEVICES[name]
+
+
+# --- two tiers: ranks in nodes ----------------------------------------------------------------
+TIERS = ("intra", "inter")      # inside a node, between nodes
+
+
+def parse_link(spec: str, what: str = "link") -> Link:
+    """A link from text: a profile name (`LINKS`), or a custom "GBPS" or "GBPS@LATENCY_US"
+    (gigabits per second per rank per direction, α in microseconds per ring step; "1@200" is
+    1 Gb/s with α = 200 us, "10" is 10 Gb/s with α = 0). what: how the error names the value
+    (e.g. "--inter"). Raises ValueError (one line, listing the profiles) otherwise."""
+    text = str(spec).strip()
+    if text in LINKS:
+        return LINKS[text]
+    gbps, _, lat = text.partition("@")
+    try:
+        bandwidth, latency = float(gbps), float(lat) if lat else 0.0
+    except ValueError:
+        bandwidth = latency = float("nan")
+    if not (0 < bandwidth < float("inf") and 0 <= latency < float("inf")):
+        raise ValueError(f"{what} {spec!r} is not one of {', '.join(LINKS)}, nor a custom "
+                         "GBPS[@LATENCY_US] (Gb/s > 0 per rank, α >= 0 us; e.g. 1@200)")
+    return Link(f"custom {bandwidth:g} Gb/s, {latency:g} us", bandwidth * 1e9 / 8, latency * 1e-6)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks in nodes of `ranks_per_node` consecutive ranks (rank r on node r // k), linked by
+    `intra` inside a node and `inter` between nodes (each rank its own share of both)."""
+    ranks_per_node: int
+    intra: Link
+    inter: Link
+
+    def node(self, rank: int) -> int:
+        """The node of global rank `rank`: rank // ranks_per_node."""
+        return rank // self.ranks_per_node
+
+    def nodes(self, ranks) -> list[int]:
+        """The distinct nodes of the global ranks `ranks`, ascending."""
+        return sorted({self.node(r) for r in ranks})
+
+    def link(self, tier: str) -> Link:
+        """The Link of a tier, "intra" or "inter"."""
+        if tier not in TIERS:
+            raise ValueError(f"tier {tier!r} is not one of {', '.join(TIERS)}")
+        return self.intra if tier == "intra" else self.inter
+
+    def hop_tiers(self, ranks) -> tuple[str, ...]:
+        """The tiers a ring over `ranks` (global ranks, in ring order) has hops on: ("intra",),
+        ("inter",) or ("intra", "inter"); () for one rank (no hop)."""
+        ranks = list(ranks)
+        if len(ranks) < 2:
+            return ()
+        crossing = {self.node(a) != self.node(b) for a, b in zip(ranks, ranks[1:] + ranks[:1])}
+        return tuple(t for t, c in (("intra", False), ("inter", True)) if c in crossing)
+
+    def describe(self, world_size: int | None = None) -> str:
+        """One line: nodes x ranks per node and the two links (GB/s per rank, us)."""
+        shape = (f"{world_size // self.ranks_per_node} nodes x {self.ranks_per_node} ranks"
+                 if world_size else f"{self.ranks_per_node} ranks per node")
+        return (f"{shape}; intra {self.intra.name} {self.intra.bandwidth / 1e9:.4g} GB/s, "
+                f"{self.intra.latency * 1e6:.3g} us; inter {self.inter.name} "
+                f"{self.inter.bandwidth / 1e9:.4g} GB/s, {self.inter.latency * 1e6:.3g} us")
+
+
+def check_ranks_per_node(ranks_per_node, world_size: int | None = None,
+                         flag: str = "--ranks-per-node") -> int:
+    """`ranks_per_node` as an int; ValueError (one line) unless it is >= 1 and divides the world
+    size (when given): every node holds the same number of ranks."""
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"{flag} {ranks_per_node!r} must be an integer >= 1 (ranks in each node)")
+    if world_size is not None and world_size % ranks_per_node:
+        raise ValueError(f"{flag} {ranks_per_node} does not divide the world size {world_size}: "
+                         "every node holds the same number of ranks")
+    return ranks_per_node
+
+
+def get_topology(ranks_per_node: int, intra: str | Link, inter: str | Link,
+                 world_size: int | None = None) -> Topology:
+    """A Topology of nodes of `ranks_per_node` ranks; intra / inter: Links, or text for
+    `parse_link` (a profile name or GBPS[@LATENCY_US]). ValueError (one line) for a bad value:
+    ranks_per_node < 1 or not dividing world_size, an unknown profile (the error lists them)."""
+    k = check_ranks_per_node(ranks_per_node, world_size)
+    links = [x if isinstance(x, Link) else parse_link(x, f"--{name}")
+             for name, x in (("intra", intra), ("inter", inter))]
+    return Topology(k, *links)

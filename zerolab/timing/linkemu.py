@@ -17,6 +17,20 @@ queue (comm.py infers an op's start from gloo's two worker threads, not from the
 each rank keeps its own link clock from its own issue times; gloo on CPU only (NCCL kernels run
 on the GPU's stream and would not wait for a host-side sleep). Validated in tests/test_linkemu.py
 and labs/lab6_time_by_stage.ipynb.
+
+Two tiers (`TieredLinkEmulator`, `--ranks-per-node K --intra SPEC --inter SPEC`): ranks are in
+nodes of K consecutive ranks (node = rank // K); each rank has its own intra link (its NVLink /
+PCIe port) and its own share of the inter link (one NIC per GPU), each with its own clock. A
+collective is timed by the tiers its process group's ring crosses (`costmodel.flat_leg`: the
+group's global ranks come from its Comm): inside one node the intra link alone; through several
+nodes each ring step waits for its slowest hop, so it pays the slow tier and keeps both of the
+rank's links busy; one rank per node, the inter link alone. Collectives queue per tier in issue
+order (`costmodel.Clocks`). A hierarchical all_reduce is three collectives on sub-groups
+(`comm.hierarchical_all_reduce`), each timed on its own tier. Validated in
+zerolab/timing/tiercheck.py (margins there) and tests/test_tiers.py.
+
+    python -m zerolab train --stage 0 --nproc 4 --preset nano --ranks-per-node 2 \\
+        --intra 1@20 --inter 0.1@200
 """
 from __future__ import annotations
 
@@ -67,8 +81,9 @@ class LinkEmulator:
         """The model's seconds for `op` of the full array S = size_bytes on this link."""
         return costmodel.collective_time(op, size_bytes, self.n, self.link)
 
-    def issue(self, work, op: str, size_bytes: float, handle=None) -> EmulatedWork:
-        """Place a just-issued collective on the link (after the ones before it)."""
+    def issue(self, work, op: str, size_bytes: float, handle=None, ranks=None) -> EmulatedWork:
+        """Place a just-issued collective on the link (after the ones before it). ranks: the
+        group's global ranks (unused: one link, n = world_size)."""
         start = max(time.perf_counter(), self.free_at)
         self.free_at = start + self.duration(op, size_bytes)
         self.busy.append((op, start, self.free_at))
@@ -88,3 +103,64 @@ def from_args(gbps: float | None, latency_us: float | None, world_size: int) -> 
     if latency_us is not None and not latency_us >= 0:
         raise ValueError(f"--link-latency-us {latency_us} must be >= 0 (microseconds per ring step)")
     return LinkEmulator(hardware.get_link(gbps=gbps, latency_us=latency_us or 0.0), world_size)
+
+
+class TieredLinkEmulator:
+    """A rank's two emulated links: its intra link and its share of the inter link.
+
+    topology: a hardware.Topology (ranks per node, intra and inter Links). `issue(work, op,
+    size_bytes, handle, ranks)` -> EmulatedWork ending when `costmodel.flat_leg` says for the
+    group `ranks` (global ranks; None: the whole world), after the collectives before it on the
+    tiers it uses. `busy` lists (op, tier paid, start, end) in perf_counter seconds; `clocks`
+    holds when each tier is next free.
+    """
+
+    def __init__(self, topology: hardware.Topology, world_size: int):
+        self.topology, self.n = topology, world_size
+        self.clocks = costmodel.Clocks()
+        self.busy: list[tuple[str, str, float, float]] = []
+
+    def legs(self, op: str, size_bytes: float, ranks=None) -> list[costmodel.Leg]:
+        """The model's leg for `op` of the full array S = size_bytes on the group `ranks`."""
+        ranks = range(self.n) if ranks is None else ranks
+        return [costmodel.flat_leg(op, size_bytes, ranks, self.topology)]
+
+    def issue(self, work, op: str, size_bytes: float, handle=None, ranks=None) -> EmulatedWork:
+        """Place a just-issued collective on the links of the tiers it uses."""
+        legs = self.legs(op, size_bytes, ranks)
+        start, end = self.clocks.place(legs, time.perf_counter())
+        self.busy.append((op, legs[0].tier, start, end))
+        return EmulatedWork(work, end, handle)
+
+
+def tiers_from_args(ranks_per_node: int | None, intra: str | None, inter: str | None,
+                    world_size: int, link_gbps: float | None = None) -> hardware.Topology | None:
+    """The Topology for `--ranks-per-node K --intra SPEC --inter SPEC` (None when K is not given).
+
+    SPEC: a profile name of hardware.LINKS or a custom GBPS[@LATENCY_US] (`hardware.parse_link`).
+    Raises ValueError (one line) for K < 1 or not dividing world_size, a missing or unknown
+    SPEC (the error lists the profiles), --intra / --inter without K, or K with --link-gbps (the
+    one-tier link)."""
+    if ranks_per_node is None:
+        given = [f for f, v in (("--intra", intra), ("--inter", inter)) if v is not None]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise ValueError(f"{' and '.join(given)} {verb} --ranks-per-node (ranks in each node)")
+        return None
+    if link_gbps is not None:
+        raise ValueError("--link-gbps is one link for every collective; with --ranks-per-node "
+                         "give the two tiers' links as --intra and --inter")
+    missing = [f for f, v in (("--intra", intra), ("--inter", inter)) if v is None]
+    if missing:
+        raise ValueError(f"--ranks-per-node {ranks_per_node} needs {' and '.join(missing)}: a "
+                         f"profile ({', '.join(hardware.LINKS)}) or GBPS[@LATENCY_US], e.g. 0.1@200")
+    return hardware.get_topology(ranks_per_node, intra, inter, world_size)
+
+
+def emulator(gbps: float | None, latency_us: float | None, world_size: int,
+             topology: hardware.Topology | None = None):
+    """The emulator a training run's Comm gets: TieredLinkEmulator for a topology, else
+    `from_args`'s LinkEmulator (or None)."""
+    if topology is not None:
+        return TieredLinkEmulator(topology, world_size)
+    return from_args(gbps, latency_us, world_size)

@@ -6,6 +6,12 @@ all_reduces), then replays each stage with and without overlap (`costmodel.step_
 the threshold T* below which ZeRO-3 is communication-bound, at the MFU given and at `SENSITIVITY`'s.
 
     python -m zerolab time --params 7.5e9 --world-size 64 --tokens-per-rank 4096 --mfu 0.4
+    python -m zerolab time --world-size 64 --ranks-per-node 8 --intra nvlink4 --inter ib-ndr
+
+With two tiers (a `hardware.Topology`) the header shows both links, every stage's collectives
+run as one ring over all N ranks (paying the slow tier when N spans nodes), an extra row replays
+DDP with hierarchical all_reduces, and the last column tags each op's milliseconds with the tier
+they were paid at: "all_reduce 611 [inter]", "all_reduce 127 [intra 59 + inter 68]".
 """
 from __future__ import annotations
 
@@ -14,12 +20,57 @@ import numbers
 
 from .. import theory
 from . import costmodel
-from .hardware import Device, Link
+from .hardware import Device, Link, Topology
 
 SENSITIVITY = (0.3, 0.4, 0.5, 1.0)          # the MFUs the threshold is also printed at
 
 
-def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link: Link,
+def _link_lines(name: str, link: Link, indent: str = "") -> list[str]:
+    return [f"{indent}{name} {link.name}: β = {link.bandwidth / 1e9:.4g} GB/s per rank per direction "
+            f"({link.gbps:.4g} Gb/s), α = {link.latency * 1e6:.3g} us per ring step",
+            f"{indent}  source: {link.source}"]
+
+
+def network_lines(world_size: int, link: Link | Topology) -> list[str]:
+    """The header lines that describe the network: one link, or two tiers and what a flat ring
+    over all world_size ranks pays."""
+    if not isinstance(link, Topology):
+        return _link_lines("link", link)
+    k, n = link.ranks_per_node, world_size
+    nodes = -(-n // k)
+    paid = "inter" if costmodel.flat_link(link, n) is link.inter else "intra"   # by bandwidth
+    lines = [f"network: {nodes} node(s) x {k} ranks per node, two tiers (each rank its own share "
+             "of both links)"]
+    lines += _link_lines("intra", link.intra, "  ") + _link_lines("inter", link.inter, "  ")
+    if nodes > 1:
+        lines.append(f"  every stage's collectives are one ring over all N = {n} ranks through "
+                     f"{nodes} nodes: each ring step waits for its slowest hop, so they pay "
+                     f"{paid} (2(n-1)·(α + S/(n·β)) for an all_reduce); 'hierarchical' all_reduces "
+                     "reduce_scatter intra, all_reduce S/k inter, all_gather intra")
+    else:
+        lines.append(f"  all N = {n} ranks fit in one node: every collective pays intra")
+    return lines
+
+
+def tagged_ops(st: costmodel.StepTime) -> str:
+    """"all_reduce 611 [inter], all_gather 12 [intra 5 + inter 7]": ms by op, tagged by tier
+    (untagged on one link)."""
+    parts = []
+    for op, tiers in st.by_op_tier().items():
+        total = sum(tiers.values())
+        if not total:
+            continue
+        if list(tiers) == ["link"]:
+            parts.append(f"{op} {total * 1e3:.4g}")
+        elif len(tiers) == 1:
+            parts.append(f"{op} {total * 1e3:.4g} [{next(iter(tiers))}]")
+        else:
+            split = " + ".join(f"{t} {v * 1e3:.4g}" for t, v in tiers.items())
+            parts.append(f"{op} {total * 1e3:.4g} [{split}]")
+    return ", ".join(parts)
+
+
+def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link: Link | Topology,
                       device: Device, n_blocks: int = 32, precision: str = "bf16",
                       mfu: float = costmodel.MFU, *, d_model: int | None = None, seq_len: float = 2048,
                       algorithm: str = "ring") -> str:
@@ -28,7 +79,8 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
     Each of the n_blocks equal blocks is one transformer layer; its width d_model defaults to
     `shape_from_params` (Ψ ≈ 12·L·d²). seq_len: tokens per sequence for attention's FLOPs (at
     most tokens_per_rank; 0: the 6Ψ rule alone). mfu and algorithm: see `compute_time` and
-    `collective_time`."""
+    `collective_time`. link: one Link, or a hardware.Topology of two tiers (`network_lines`,
+    `tagged_ops`)."""
     costmodel.check_mfu(mfu)
     costmodel.check_algorithm(algorithm)
     if not (isinstance(seq_len, numbers.Real) and 0 <= seq_len < math.inf):
@@ -44,9 +96,7 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
     lines = [f"Ψ = {psi:.4g} parameters in {n_blocks} equal blocks (one layer each, width d = {d:,} "
              f"{given}), N = {world_size} ranks, {tokens_per_rank:g} tokens per rank per step "
              f"{seqs}, {precision}",
-             f"link {link.name}: β = {link.bandwidth / 1e9:.4g} GB/s per rank per direction "
-             f"({link.gbps:.4g} Gb/s), α = {link.latency * 1e6:.3g} us per ring step",
-             f"  source: {link.source}",
+             *network_lines(world_size, link),
              f"device {device.name}: {device.flops / 1e12:.4g} TFLOP/s peak x MFU {mfu:g} = "
              f"{device.flops * mfu / 1e12:.4g} TFLOP/s reached",
              f"  source: {device.source}; MFU {costmodel.MFU:g} (the default) from {costmodel.MFU_SOURCE}",
@@ -55,17 +105,19 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
              costmodel.latency_note(world_size, link, algorithm), "",
              f"{'stage':<24}{'compute':>10}{'comm':>10}{'no overlap':>12}{'overlap':>10}"
              f"{'exposed':>10}   comm by op (ms)"]
-    variants = [(s, False) for s in (0, 1, 2)] + [(3, False), (3, True)]
-    for stage, prefetch in variants:
+    variants = [(s, False, False) for s in (0, 1, 2)] + [(3, False, False), (3, True, False)]
+    if isinstance(link, Topology) and 1 < link.ranks_per_node < world_size:
+        variants.insert(1, (0, False, True))        # DDP with hierarchical all_reduces
+    for stage, prefetch, hier in variants:
         ops = ("all_reduce", "reduce_scatter") if stage == 1 else (None,)
         for op in ops:
             kw = dict(prefetch=prefetch, precision=precision, zero1_grad_op=op or "all_reduce",
-                      algorithm=algorithm)
+                      algorithm=algorithm, hierarchical=hier)
             serial = costmodel.step_time(stage, units, world_size, link, overlap=False, **kw)
             over = costmodel.step_time(stage, units, world_size, link, overlap=True, **kw)
             name = theory.STAGE_NAMES[stage] + (f" ({op})" if op else "") + (
-                " +prefetch" if prefetch else "")
-            parts = ", ".join(f"{k} {v * 1e3:.4g}" for k, v in over.by_op().items() if v)
+                " +prefetch" if prefetch else "") + (" hierarchical" if hier else "")
+            parts = tagged_ops(over)
             lines.append(f"{name:<24}{over.compute * 1e3:>10.4g}{over.comm * 1e3:>10.4g}"
                          f"{serial.total * 1e3:>12.4g}{over.total * 1e3:>10.4g}"
                          f"{over.exposed_comm * 1e3:>10.4g}   {parts}")
@@ -74,7 +126,8 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
     t_star = costmodel.zero3_comm_bound_tokens(block, world_size, link, device, precision, mfu, **shape)
     bound = "communication-bound" if tokens_per_rank < t_star else "compute-bound"
     w = theory.bytes_per_param(precision)["params"]
-    bw_term = (world_size - 1) / world_size * w / 2 * device.flops * mfu / link.bandwidth
+    bw_term = (world_size - 1) / world_size * w / 2 * device.flops * mfu / costmodel.flat_link(
+        link, world_size).bandwidth
     by_mfu = ", ".join(f"{m:g}: {costmodel.zero3_comm_bound_tokens(block, world_size, link, device, precision, m, **shape):,.0f}"
                        for m in SENSITIVITY)
     lines += ["", "times in ms per optimizer step; 'exposed' = overlap - compute (comm not hidden)",

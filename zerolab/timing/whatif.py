@@ -13,6 +13,11 @@ link and device: (6Ψ_u + 12·L_u·d·T) FLOPs per token at the device's peak x 
 given), all_reduces as rings unless `algorithm` says "tree" or "auto".
 
     python -m zerolab whatif --preset 1b --world-size 1024
+    python -m zerolab whatif --preset 1b --ranks-per-node 8 --intra nvlink4 --inter ib-ndr
+
+With two tiers (a `hardware.Topology`) the time replays each collective as one ring over all N
+ranks (the slow tier when N spans nodes, `costmodel.flat_leg`), and a column says which tier
+the step's collectives paid.
 
 The fake process group is torch's test utility (torch.testing._internal.distributed.fake_pg), the
 one torch's own FSDP tests use for large worlds; it is private API and may move between releases.
@@ -163,13 +168,14 @@ def unit_layers(name: str) -> int:
     return int(last) - int(first) + 1 if last else 1
 
 
-def step_times(report: dict, link: hardware.Link, device: hardware.Device,
+def step_times(report: dict, link: hardware.Link | hardware.Topology, device: hardware.Device,
                tokens_per_rank: float, precision: str = "bf16", mfu: float = costmodel.MFU,
                algorithm: str = "ring") -> dict:
     """Cost-model step time (seconds) of a report's stage on its real units, with and without
     overlap (and with ZeRO-3 prefetch). Compute per unit: (6Ψ_u + 12·L_u·d·T) FLOPs per token at
     F · MFU, L_u the unit's layers (0 for the root: embeddings, head), d and T from the report's
-    preset ("shape"; without one, 6Ψ_u alone). algorithm: how the all_reduces are modelled."""
+    preset ("shape"; without one, 6Ψ_u alone). algorithm: how the all_reduces are modelled.
+    link: one Link or a Topology of two tiers (`costmodel.step_time`)."""
     shape = report.get("shape", {})
     units = []
     for name, numel in report["units"]:
@@ -198,8 +204,10 @@ PEAK_NOTE = ("peak: the largest total the memory meter saw during the step: the 
 def format_whatif(reports: list[dict], link, device, tokens_per_rank, precision="bf16",
                   mfu: float = costmodel.MFU, algorithm: str = "ring") -> str:
     """The table `zerolab whatif` prints: bytes by state (code vs formula), the step's peak
-    (`PEAK_NOTE`) and the modelled time (at F · MFU, all_reduces by `algorithm`)."""
+    (`PEAK_NOTE`) and the modelled time (at F · MFU, all_reduces by `algorithm`) on `link`, one
+    Link or a hardware.Topology of two tiers ("pays": the tiers its collectives paid)."""
     costmodel.check_mfu(mfu)
+    two = isinstance(link, hardware.Topology)
     r0 = reports[0]
     gb = 1e9
     shape = r0.get("shape")
@@ -218,14 +226,17 @@ def format_whatif(reports: list[dict], link, device, tokens_per_rank, precision=
             f"T = {min(shape['seq_len'], tokens_per_rank):g})" if shape else "6Ψ FLOPs per token")
     lines += ["", f"bytes per step from the ledger (formula), GB; time from the cost model: "
               f"{tokens_per_rank:g} tokens/rank, {device.name} at MFU {mfu:g} ({attn}), "
-              f"link {link.name}, ms",
+              + (f"link {link.name}, ms" if not two else
+                 f"two tiers: {link.describe(r0['world_size'])}; each collective one ring over all "
+                 "N ranks, ms"),
               costmodel.latency_note(r0["world_size"], link, algorithm),
               f"{'stage':<8}{'moved':>18}{'collectives':>13}{'no overlap':>12}{'overlap':>10}"
-              f"{'prefetch':>10}"]
+              f"{'prefetch':>10}" + (f"{'pays':>8}" if two else "")]
     for r in reports:
         t = step_times(r, link, device, tokens_per_rank, precision, mfu, algorithm)
         moved = f"{sum(r['traffic_per_step'].values()) / gb:.4g} ({sum(r['formula_traffic'].values()) / gb:.4g})"
         pre = f"{t['prefetch'].total * 1e3:.4g}" if "prefetch" in t else "-"
         lines.append(f"{r['name']:<8}{moved:>18}{r['collectives_per_step']:>13}"
-                     f"{t['no_overlap'].total * 1e3:>12.4g}{t['overlap'].total * 1e3:>10.4g}{pre:>10}")
+                     f"{t['no_overlap'].total * 1e3:>12.4g}{t['overlap'].total * 1e3:>10.4g}{pre:>10}"
+                     + (f"{'+'.join(t['overlap'].tiers()):>8}" if two else ""))
     return "\n".join(lines)

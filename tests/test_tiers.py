@@ -1,0 +1,243 @@
+"""Two tiers: the cost model by hand, the CLI's options and errors, and the emulator on 4 gloo
+ranks as 2 nodes x 2 against the model (zerolab/timing/tiercheck.py states the margins).
+
+Sources: the α-β ring formulas of tests/test_costmodel.py; a ring through several nodes waits
+on every step for its slowest hop (nccl-tests' busbw across nodes is the NIC's), a hierarchical
+all_reduce is reduce_scatter intra + all_reduce of S/k inter + all_gather intra (Horovod's
+hierarchical allreduce, FSDP's HYBRID_SHARD gradient path, ZeRO++'s hpZ / qgZ tiers).
+"""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from conftest import run_ranks
+
+from zerolab import cli
+from zerolab.comm import Comm, hierarchical_all_reduce, node_comms
+from zerolab.run import options
+from zerolab.timing import costmodel as cm
+from zerolab.timing import hardware as hw
+from zerolab.timing import linkemu, tiercheck
+
+INTRA = hw.Link("i", bandwidth=1e9, latency=1e-5)        # 1 GB/s, 10 us
+INTER = hw.Link("e", bandwidth=1e8, latency=1e-4)        # 100 MB/s, 100 us
+TOPO = hw.Topology(4, INTRA, INTER)                      # nodes of 4 ranks
+
+
+# --- the cost model, by hand -------------------------------------------------------------------
+def test_a_flat_ring_pays_the_tier_it_crosses():
+    S = 8e6
+    # inside one node (ranks 0-3): 2·3·(10 us + 8e6/(4·1e9) s) = 6 · 2.01 ms
+    inside = cm.flat_leg("all_reduce", S, range(4), TOPO)
+    assert (inside.tier, inside.uses) == ("intra", ("intra",))
+    assert inside.seconds == pytest.approx(6 * (1e-5 + S / 4 / 1e9), rel=1e-12)
+    # over 8 ranks on 2 nodes: every step waits for the node-crossing hop, 2·7·(100 us + S/(8·1e8))
+    flat = cm.flat_leg("all_reduce", S, range(8), TOPO)
+    assert (flat.tier, flat.uses) == ("inter", ("intra", "inter"))
+    assert flat.seconds == pytest.approx(14 * (1e-4 + S / 8 / 1e8), rel=1e-12)
+    # one rank per node: inter hops only
+    across = cm.flat_leg("all_gather", S, [1, 5], TOPO)
+    assert (across.tier, across.uses, across.n) == ("inter", ("inter",), 2)
+    assert across.seconds == pytest.approx(1e-4 + S / 2 / 1e8, rel=1e-12)
+    # the slower hop decides even when it is the intra one (a fast NIC, a slow PCIe)
+    swapped = hw.Topology(4, INTER, INTRA)
+    assert cm.flat_leg("all_reduce", S, range(8), swapped).tier == "intra"
+
+
+def test_hierarchical_all_reduce_pays_each_tier_for_its_part():
+    S = 8e6
+    legs = cm.hierarchical_all_reduce(S, range(8), TOPO)      # k = 4 per node, m = 2 nodes
+    assert [(leg.op, leg.tier, leg.n) for leg in legs] == [
+        ("reduce_scatter", "intra", 4), ("all_reduce", "inter", 2), ("all_gather", "intra", 4)]
+    rs = 3 * (1e-5 + S / 4 / 1e9)                  # (k-1)·(α_i + S/(k·β_i))
+    ar = 2 * (1e-4 + S / 4 / 2 / 1e8)              # 2(m-1)·(α_e + S/(k·m·β_e))
+    assert [leg.seconds for leg in legs] == pytest.approx([rs, ar, rs], rel=1e-12)
+    assert legs[1].size_bytes == S / 4
+    flat = cm.flat_leg("all_reduce", S, range(8), TOPO).seconds
+    assert sum(leg.seconds for leg in legs) < flat / 3          # 26.1 ms against 140.1 ms
+    # one node, or one rank per node: the single flat leg
+    assert cm.hierarchical_all_reduce(S, range(4), TOPO) == [cm.flat_leg("all_reduce", S, range(4), TOPO)]
+    assert len(cm.hierarchical_all_reduce(S, [0, 4], TOPO)) == 1
+    with pytest.raises(ValueError, match="same number of ranks in every node"):
+        cm.hierarchical_all_reduce(S, [0, 1, 4], TOPO)
+
+
+def test_bytes_per_tier():
+    S = 8e6
+    ring = 2 * 7 / 8 * S                                  # a flat all_reduce's ring bytes per rank
+    # ring 0 -> 1 -> ... -> 7 -> 0: ranks 3 and 7 send to the other node, the rest inside
+    per = [cm.tier_bytes("all_reduce", S, range(8), TOPO, rank=r) for r in range(8)]
+    assert [p["inter"] for p in per] == [0, 0, 0, ring, 0, 0, 0, ring]
+    assert [p["intra"] for p in per] == [ring, ring, ring, 0, ring, ring, ring, 0]
+    assert cm.tier_bytes("all_reduce", S, range(8), TOPO) == pytest.approx(
+        {"intra": 6 / 8 * ring, "inter": 2 / 8 * ring})
+    assert cm.tier_bytes("all_gather", S, range(4), TOPO) == {"intra": 3 / 4 * S, "inter": 0.0}
+    # hierarchical: 2(k-1)/k·S inside, 2(m-1)/m·S/k across, on every rank
+    assert cm.tier_bytes("all_reduce", S, range(8), TOPO, hierarchical=True) == pytest.approx(
+        {"intra": 2 * 3 / 4 * S, "inter": 2 * 1 / 2 * S / 4})
+    with pytest.raises(ValueError):
+        cm.tier_bytes("all_gather", S, range(8), TOPO, hierarchical=True)
+    with pytest.raises(ValueError, match="not in the group"):
+        cm.tier_bytes("all_reduce", S, range(4), TOPO, rank=5)
+
+
+def test_a_topology_reduces_to_one_link_at_its_ends():
+    """All ranks in one node: the one-tier model on the intra link; one rank per node: on the
+    inter link (the ring has no intra hop). Same totals, same collectives."""
+    units = cm.uniform_units(1e9, 8, 4096, hw.DEVICES["h100"])
+    for stage in (0, 1, 2, 3):
+        for k, link in ((8, INTRA), (1, INTER)):
+            two = cm.step_time(stage, units, 8, hw.Topology(k, INTRA, INTER), prefetch=True)
+            one = cm.step_time(stage, units, 8, link, prefetch=True)
+            assert two.total == pytest.approx(one.total, rel=1e-12)
+            assert [c.end for c in two.collectives] == pytest.approx([c.end for c in one.collectives])
+
+
+def test_hierarchical_ddp_beats_flat_ddp_on_two_tiers():
+    units = cm.uniform_units(7.5e9, 32, 4096, hw.DEVICES["h100"])
+    topo = hw.get_topology(8, "nvlink4", "ib-ndr", 64)
+    flat = cm.step_time(0, units, 64, topo, overlap=False)
+    hier = cm.step_time(0, units, 64, topo, overlap=False, hierarchical=True)
+    assert flat.tiers() == ["inter"] and hier.tiers() == ["intra", "inter"]
+    assert set(hier.by_op_tier()["all_reduce"]) == {"intra", "inter"}
+    assert hier.comm < flat.comm / 4                     # 127 ms against 611 ms
+    # each all_reduce: the three legs back to back
+    c = hier.collectives[0]
+    assert c.tier == "intra+inter" and c.end - c.start == pytest.approx(sum(x.seconds for x in c.legs))
+
+
+def test_clocks_queue_per_tier():
+    clocks = cm.Clocks()
+    a = cm.Leg("all_reduce", "inter", 2, 1, 1.0, ("inter",))
+    b = cm.Leg("all_reduce", "intra", 2, 1, 0.5, ("intra",))
+    both = cm.Leg("all_reduce", "inter", 4, 1, 2.0, ("intra", "inter"))
+    assert clocks.place([a], 0.0) == (0.0, 1.0)
+    assert clocks.place([b], 0.0) == (0.0, 0.5)          # the intra link was free
+    assert clocks.place([both], 0.0) == (1.0, 3.0)       # waits for both
+    assert clocks.place([b], 0.0) == (3.0, 3.5)
+
+
+def test_profiles_and_specs():
+    assert hw.parse_link("ib-ndr") is hw.LINKS["ib-ndr"]
+    custom = hw.parse_link("0.1@200")
+    assert custom.bandwidth == pytest.approx(12.5e6) and custom.latency == pytest.approx(2e-4)
+    assert hw.parse_link("10").latency == 0
+    assert hw.LINKS["400gbe"].bandwidth == 50e9
+    for bad in ("ib-xdr", "0", "-1@5", "1@-5", "1@x", "nan", "inf"):
+        with pytest.raises(ValueError, match="ib-ndr, ib-hdr"):
+            hw.parse_link(bad, "--inter")
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        hw.get_topology(0, "nvlink4", "ib-ndr")
+    with pytest.raises(ValueError, match="does not divide the world size 8"):
+        hw.get_topology(3, "nvlink4", "ib-ndr", 8)
+    topo = hw.get_topology(2, "nvlink4", "ib-ndr", 8)
+    assert [topo.node(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert topo.hop_tiers([0, 1]) == ("intra",) and topo.hop_tiers([0, 2, 4]) == ("inter",)
+    assert topo.hop_tiers(range(8)) == ("intra", "inter") and topo.hop_tiers([3]) == ()
+
+
+# --- the command line --------------------------------------------------------------------------
+def test_time_and_whatif_show_the_tier_each_collective_pays(capsys):
+    assert cli.main(["time", "--world-size", "64", "--ranks-per-node", "8", "--intra", "nvlink4",
+                     "--inter", "ib-ndr"]) == 0
+    out = capsys.readouterr().out
+    assert "8 node(s) x 8 ranks per node" in out and "intra nvlink4" in out and "inter ib-ndr" in out
+    assert "all_reduce 610.8 [inter]" in out
+    assert "DDP hierarchical" in out and "[intra 59.23 + inter 67.87]" in out
+    assert cli.main(["whatif", "--preset", "nano", "--world-size", "8", "--ranks-per-node", "4",
+                     "--inter", "100gbe"]) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes x 4 ranks; intra nvlink4" in out and "inter 100gbe" in out
+    assert out.splitlines()[-1].split()[-1] == "inter"          # the "pays" column
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["time", "--ranks-per-node", "0"], ["--ranks-per-node 0", ">= 1"]),
+    (["time", "--ranks-per-node", "3"], ["--ranks-per-node 3", "does not divide", "64"]),
+    (["time", "--ranks-per-node", "8", "--inter", "ib-xdr"], ["'ib-xdr'", "ib-ndr, ib-hdr, 400gbe"]),
+    (["time", "--intra", "pcie4"], ["--intra needs --ranks-per-node"]),
+    (["whatif", "--preset", "nano", "--ranks-per-node", "3"], ["does not divide", "1024"]),
+    (["whatif", "--preset", "nano", "--ranks-per-node", "8", "--intra", "nvlink9"], ["'nvlink9'"]),
+])
+def test_bad_tiers_are_one_line(argv, words, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: pytest.fail("launched"))
+
+
+TIERS = ["--ranks-per-node", "2", "--intra", "1@20", "--inter", "0.1@200"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--ranks-per-node", "3", "--intra", "1", "--inter", "1"], ["does not divide", "4"]),
+    (["--ranks-per-node", "2", "--intra", "1"], ["needs --inter", "ib-ndr"]),
+    (["--inter", "ib-ndr"], ["--inter needs --ranks-per-node"]),
+    (TIERS + ["--link-gbps", "1"], ["--link-gbps", "--intra and --inter"]),
+    (TIERS[:4] + ["--inter", "infiniband"], ["'infiniband'", "ib-ndr"]),
+])
+def test_train_refuses_bad_tiers_before_any_rank_starts(extra, words, tmp_path, capsys, no_launch):
+    code = cli.main(["train", "--nproc", "4", "--preset", "nano", "--out", str(tmp_path / "o"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_refuses_tiers_on_nccl(tmp_path, capsys, no_launch, monkeypatch):
+    monkeypatch.setattr("zerolab.run.job.resolve", lambda *a, **k: ("nccl", "cuda"))
+    code = cli.main(["train", "--nproc", "4", "--preset", "nano", "--out", str(tmp_path / "o"), *TIERS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "gloo only" in err[0] and "nccl" in err[0], err
+
+
+def test_the_tiers_reach_the_ranks():
+    args = options.parser("train").parse_args(["--nproc", "4", *TIERS])
+    argv = options.rank_argv(args, backend="gloo", device="cpu")
+    ranks = options.parse("ranks", argv)
+    assert (ranks.ranks_per_node, ranks.intra, ranks.inter) == (2, "1@20", "0.1@200")
+    emu = linkemu.emulator(ranks.link_gbps, ranks.link_latency_us, 4, options.tiers(ranks, 4))
+    assert isinstance(emu, linkemu.TieredLinkEmulator) and emu.topology.inter.latency == pytest.approx(2e-4)
+    assert options.tiers(options.parse("ranks", []), 4) is None
+
+
+# --- the emulator on 4 gloo ranks, 2 nodes x 2 ---------------------------------------------------
+def _ranks(rank, world_size):
+    world = Comm()
+    near, far = node_comms(2, world)
+    # numerics: the hierarchical all_reduce is the sum over all ranks, in place
+    x = torch.arange(8, dtype=torch.float32) * (rank + 1)
+    hierarchical_all_reduce(x, near, far, what="grads")
+    assert torch.equal(x, torch.arange(8, dtype=torch.float32) * 10), x
+    ledger = [(r.op, r.group_size) for c in (near, far) for r in c.records]
+    # the emulator: each collective on the tiers its group crosses
+    emu = linkemu.TieredLinkEmulator(hw.get_topology(2, "1@20", "0.1@200", world_size), world_size)
+    world.link = near.link = far.link = emu
+    for c in (world, near, far):
+        c.all_reduce(torch.ones(4), what="metric")
+    tiers = [tier for _, tier, _, _ in emu.busy]
+    return ledger, near.ranks, far.ranks, tiers, tiercheck.measure(rank, world_size, reps=5)
+
+
+@pytest.mark.timeout(120)
+def test_the_emulator_matches_the_two_tier_model():
+    out = run_ranks(_ranks, 4, timeout=110)
+    assert out[0][0] == [("reduce_scatter", 2), ("all_gather", 2), ("all_reduce", 2)]
+    assert [o[1] for o in out] == [(0, 1), (0, 1), (2, 3), (2, 3)]          # node groups
+    assert [o[2] for o in out] == [(0, 2), (1, 3), (0, 2), (1, 3)]          # across nodes
+    assert out[0][3] == ["inter", "intra", "inter"]                        # world, node, across
+    rows = tiercheck.compare([o[4] for o in out])
+    print("\n" + tiercheck.format_rows(rows))
+    for r in rows:          # a floor, plus gloo's own work per collective (tiercheck's margins)
+        assert r["median_s"] >= 0.95 * r["model_s"], r
+        assert r["median_s"] <= tiercheck.upper_bound(r["model_s"], tiercheck.COLLECTIVES[r["case"]]), r
+    med = {(r["case"], r["size_bytes"]): r["median_s"] for r in rows}
+    # the model's order at one size: flat 97 ms > hierarchical 39 ms; hierarchical 154 > intra 26
+    assert med["flat", 800_000] > 1.3 * med["hierarchical", 800_000]
+    assert med["hierarchical", 3_200_000] > 4 * med["intra", 3_200_000]
+    assert statistics.median(r["ratio"] for r in rows) < 1.4
