@@ -55,7 +55,7 @@ BAD_INPUTS = {     # extra argv, substrings the one error line must contain ({tm
 
 @pytest.mark.parametrize("argv, words", [
     (["train", "--stgae", "3"], ["--stgae", "did you mean --stage?"]),       # a misspelled flag
-    (["memory", "--params", "7.5B"], ["--params", "'7.5B'"]),                # a value of a wrong type
+    (["memory", "--params", "7.5bn"], ["--params", "'7.5bn'"]),              # a value of a wrong type
     (["tme"], ["'tme'", "'time'"]),                                          # a misspelled command
     (["whatif", "--params", "7.5e9"],                                        # another command's flag
      ["zerolab whatif", "--params is an option of zerolab memory / time"]),
@@ -189,3 +189,12 @@ def test_same_command_twice_gives_identical_losses(compare_run):
     second = {s: load_rank0(out, s)["losses"] for s in (0, 1, 2, 3)}
     assert second == first                      # bit-identical floats, not approx
     assert len(first[0]) == 2 and first[0][0] != first[0][1]
+
+
+def test_params_take_the_counts_people_write(capsys):
+    """--params 70B, 70,000,000,000 and 7e10 are the same Ψ (as notebook 02's calculator takes)."""
+    outs = []
+    for text in ("70B", "70,000,000,000", "7e10", "0.07T"):
+        assert cli.main(["memory", "--params", text, "--world-size", "64"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == outs[2] == outs[3] and "70" in outs[0]

@@ -44,7 +44,7 @@ class HELP(argparse.ArgumentDefaultsHelpFormatter):
 
 # the formula commands' options (memory, time, whatif), each defined once: flags, keywords
 FORMULA = {
-    "params": (("--params",), dict(type=positive_number, default=7.5e9, help="Ψ, e.g. 7.5e9")),
+    "params": (("--params",), dict(type=options.count, default=7.5e9, help="Ψ, e.g. 7.5e9, 7.5B, 125M")),
     "world_size": (("--world-size",), dict(type=int, default=64, help="data-parallel ranks N")),
     "precision": (("--precision",), dict(default="bf16", choices=("bf16", "fp32"),
                                          help="bytes per gradient and weight")),
