@@ -60,10 +60,11 @@ def count(text):
     if scale != 1.0:
         t = t[:-1].strip()
     try:
-        return theory.check_finite("", float(t) * scale, positive=True)
+        value = float(t) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count (e.g. 7.5e9, 7.5B, "
                                          "125M, 1.5T)") from None
+    return positive_number(t if scale == 1.0 else value)        # nan, inf, <= 0: its own words
 
 
 count.__name__ = "parameter count"
