@@ -58,6 +58,25 @@ def check_world_size(world_size) -> int:
     return world_size
 
 
+PARAM_SUFFIXES = {"k": 3, "m": 6, "b": 9, "g": 9, "t": 12}     # 125M, 7.5B (or 7.5G), 1.5T
+
+
+def parse_params(psi) -> float:
+    """Ψ from a number or from text as people write it: 7.5e9, '7.5B', '70 b', '125M', '1.5T',
+    '7,500,000,000'. '7.5B' is read as the number 7.5e9 (one rounding), so it is exactly what was
+    typed. ValueError (one line naming the value) unless it is a finite count >= 1."""
+    text = str(psi).strip().replace(",", "").replace(" ", "")
+    exponent = PARAM_SUFFIXES.get(text[-1:].lower())
+    try:
+        value = float(text if exponent is None else f"{text[:-1]}e{exponent}")
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"Ψ = {psi!r} is not a finite number of parameters >= 1: type e.g. 7.5e9 "
+                         "or 7.5B")
+    return value
+
+
 def check_finite(flag: str, value, *, positive: bool = False, minimum: float | None = None) -> float:
     """`value` as a float; ValueError unless it is a finite number (> 0 when `positive`,
     >= `minimum` when given)."""

@@ -43,22 +43,12 @@ class HELP(argparse.ArgumentDefaultsHelpFormatter):
 
 
 # the formula commands' options (memory, time, whatif), each defined once: flags, keywords
-SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-
-
 def count(text):
-    """An argparse type for a parameter count Ψ > 0, as people write it: 7.5e9, 7.5B, 70B, 125M,
-    1.5T, 7,500,000,000 (suffixes K, M, B or G, T; any case); the error names the value."""
-    t = str(text).strip().replace(",", "").replace("_", "")
-    scale = SUFFIXES.get(t[-1:].lower(), 1.0) if t[-1:].isalpha() else 1.0
-    if scale != 1.0:
-        t = t[:-1].strip()
+    """An argparse type for Ψ as people write it (`theory.parse_params`: 7.5e9, 7.5B, 125M)."""
     try:
-        value = float(t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count (e.g. 7.5e9, 7.5B, "
-                                         "125M, 1.5T)") from None
-    return options.positive_number(t if scale == 1.0 else value)        # nan, inf, <= 0: its own words
+        return theory.parse_params(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 count.__name__ = "parameter count"
