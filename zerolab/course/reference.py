@@ -23,17 +23,22 @@ Regenerate (what made the committed files, on the 2-core CPU machine):
     python -m zerolab labs --out /tmp/ref            # or --only lab5,lab6 for some labs
     python -m zerolab.course.reference /tmp/ref [lab5_same_training lab6_time_by_stage ...]
 
-which replaces the stored runs of the labs found in the folder (or only the named ones).
+which replaces the stored runs of the labs found in the folder (or only the named ones) and
+rewrites `reference_runs/SHA256SUMS`: the sha256 of every stored file (`sha256sum -c SHA256SUMS`
+in that folder checks them). `restore` checks each file against it before copying: a file that
+differs (or is not listed) is one line naming it, and nothing is restored from a damaged run.
+A restore writes each file through a temporary file and a rename: a link in `out` is replaced
+itself, what it points to is never written.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 FOLDER = Path(__file__).parent / "reference_runs"
+SUMS = "SHA256SUMS"                 # in FOLDER: '<sha256>  <path from FOLDER>' per stored file
 FILES = ("stage[0-3]/rank*.json", "stage[0-3]/trace_rank*.json", "param_diffs.json")
 DEMO_FILES = ("rank*.json",)        # a demo's run (lab 7: zerolab.course.demos.byom): OUT/rank{r}.json
 _ON = False
@@ -70,11 +75,7 @@ def restore(out) -> Path:
         raise FileNotFoundError(f"no reference run for {key(out)!r} (out={str(out)!r}); "
                                 f"reference runs: {', '.join(sorted(set(known))) or 'none'}")
     dst = Path(out)
-    for pattern in FILES:
-        for path in src.glob(pattern):
-            target = dst / path.relative_to(src)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, target)
+    _copy_checked([p for pattern in FILES for p in src.glob(pattern)], src, dst)
     # the folder's manifest now names the reference run (else load_run would look for the files
     # of the launch that failed there); the failed run's manifest is kept beside it
     from ..run.folders import MANIFEST, atomic_json, read_manifest
@@ -99,12 +100,64 @@ def restore_demo(out) -> Path:
         raise FileNotFoundError(f"no reference run for {key(out)!r} (out={str(out)!r}); "
                                 f"reference demo runs: {', '.join(known) or 'none'}")
     dst = Path(out)
+    data = _checked(files)
     dst.mkdir(parents=True, exist_ok=True)
     for old in dst.glob("rank*.json"):
-        old.unlink()
+        old.unlink()                        # a link is removed itself
+    from ..run.folders import atomic_write
     for path in files:
-        shutil.copyfile(path, dst / path.name)
+        atomic_write(dst / path.name, data[path])
     return dst
+
+
+def _sums(folder: Path = None) -> dict[str, str]:
+    """{path from FOLDER: sha256} from FOLDER/SHA256SUMS; {} when there is none."""
+    folder = folder or FOLDER
+    try:
+        text = (folder / SUMS).read_text()
+    except FileNotFoundError:
+        return {}
+    return {name: digest for digest, name in (line.split("  ", 1) for line in text.splitlines()
+                                              if "  " in line)}
+
+
+def _checked(paths) -> dict[Path, bytes]:
+    """{path: its bytes} for stored files `paths`, each checked against SHA256SUMS first;
+    IntegrityError (one line naming the file) for a file that differs or is not listed."""
+    from ..run.integrity import IntegrityError, sha256_bytes
+    sums, out = _sums(), {}
+    for path in paths:
+        name, data = path.relative_to(FOLDER).as_posix(), path.read_bytes()
+        if sums.get(name) != sha256_bytes(data):
+            what = "is not listed in" if name not in sums else "differs from the sha256 in"
+            raise IntegrityError(f"reference run file {name} {what} {FOLDER / SUMS} (damaged or "
+                                 "altered); reinstall zerolab (or `git checkout` that file), or "
+                                 "launch the run instead")
+        out[path] = data
+    return out
+
+
+def _copy_checked(paths, src: Path, dst: Path):
+    """Copy stored files `paths` (under `src`) to the same places under `dst`, all checked
+    before the first is written; each through a temporary file and a rename (never a link)."""
+    from ..run.folders import atomic_write
+    for path, data in _checked(paths).items():
+        folder = dst
+        for part in path.relative_to(src).parent.parts:   # a linked folder on the way: the
+            folder = folder / part                          # link goes, its target is untouched
+            if folder.is_symlink():
+                folder.unlink()
+        atomic_write(dst / path.relative_to(src), data)
+
+
+def write_sums(folder: Path = None) -> Path:
+    """(Re)write FOLDER/SHA256SUMS: the sha256 of every stored file, sorted by path."""
+    from ..run.folders import atomic_write
+    from ..run.integrity import sha256_file
+    folder = folder or FOLDER
+    lines = [f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}"
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != SUMS]
+    return atomic_write(folder / SUMS, "".join(line + "\n" for line in lines))
 
 
 def _demo_runs(folder: Path) -> list[Path]:
@@ -145,9 +198,9 @@ def save(labs_out, labs=None) -> int:
     if labs and set(labs) - set(chosen):
         raise ValueError(f"no run of {sorted(set(labs) - set(chosen))} in {str(labs_out)!r} "
                          f"(found {found})")
+    from ..run.folders import remove_tree
     for lab in chosen:
-        if (FOLDER / lab).exists():
-            shutil.rmtree(FOLDER / lab)
+        remove_tree(FOLDER / lab)
     for run in sorted({p.parent.parent for p in labs_out.glob("**/stage[0-3]/rank0.json")}):
         name = key(run)
         if name.split("/")[0] not in chosen:
@@ -171,6 +224,7 @@ def save(labs_out, labs=None) -> int:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(json.dumps(json.loads(path.read_text()), separators=(",", ":")))
                 count += 1
+    write_sums()
     return count
 
 

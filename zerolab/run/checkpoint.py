@@ -18,18 +18,20 @@ ZeRO-3 gather) and takes its own range. So a run saved at N = 4 stage 2 resumes 
     zerolab train --stage 3 --nproc 2 --steps 12 --resume runs/a/stage2/checkpoints --out runs/b
     zerolab checkpoint consolidate runs/a/stage2/checkpoints runs/a/model.pt
 
-Layout. A save is atomic: the rank files go to a hidden `.tmp_step_*` folder; only after every
-rank has written and fsync'ed its file does rank 0 write meta.json (with each file's size),
-rename the folder into place and then replace `latest`. A crash or kill during a save leaves the
-previous checkpoint and `latest` as they were. (Several nodes need a shared file system.)
+Layout (zerolab/run/ckptio.py). A save is atomic: the rank files go to a hidden `.tmp_step_*`
+folder; only after every rank has written and fsync'ed its file does rank 0 write meta.json
+(with each file's size and sha256, sealed with its own), rename the folder into place and then
+replace `latest` (the folder's name and meta.json's sha256). A crash or kill during a save
+leaves the previous checkpoint and `latest` as they were; a full disk too, in one line. Reading
+back checks every hash before anything is used. (Several nodes need a shared file system.)
 
-    OUT/stage{S}/checkpoints/latest                   text: step_000008
+    OUT/stage{S}/checkpoints/latest                   text: step_000008, meta.json's sha256
     OUT/stage{S}/checkpoints/step_000008/meta.json    rank 0
     OUT/stage{S}/checkpoints/step_000008/rank{r}.pt   torch.save({"units": {unit: {"params",
                                                       "master", "exp_avg", "exp_avg_sq"}},
                                                       "steps", "rng"[, "extra": rank 0]})
 
-What is saved (format version 2), so that a resume continues exactly and consolidation maps
+What is saved (format version 3), so that a resume continues exactly and consolidation maps
 every piece onto torch's own layout:
 - each trainable parameter's params, fp32 master, exp_avg and exp_avg_sq (the units, sharded);
 - each trainable parameter's own AdamW step count, rank{r}.pt "steps" = {name: count} for the
@@ -42,7 +44,7 @@ every piece onto torch's own layout:
   so in no optimizer) and buffers;
 - meta.json: format version, step, stage, world size, the run's args, losses, model config,
   the unit layout (the parameters each unit holds, i.e. the optimizer's, in flat order), the
-  frozen parameters, the rank files' sizes.
+  frozen parameters, the rank files' sizes and sha256 (version 3), its own sha256 ("sealed").
 Version 1 checkpoints (no "steps", no "frozen") load with one count, the checkpoint's step, for
 every parameter, as they were written. A resume may freeze or unfreeze parameters: one frozen
 now takes its saved value (its optimizer state is dropped, as torch drops it from an optimizer
@@ -62,24 +64,22 @@ sits at the boundary instead: `consolidate --dcp DIR` writes the full model as a
 which an FSDP2 (`fully_shard`) model loads at any world size.
 
 Errors: `open_checkpoint` and `check_compatible` raise ValueError with one line for a missing
-checkpoint or rank file, a truncated or unreadable file, a format version from the future, or
+checkpoint or rank file, a truncated or unreadable file, a file (rank file, meta.json, latest)
+that differs from the sha256 recorded when it was written, a format version from the future, or
 another model config. Sources: DeepSpeed's zero_to_fp32.py (offline consolidation from the
 optimizer shards), the torch.distributed.checkpoint docs, torch.optim.AdamW's state layout.
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..model import GPTConfig
+from . import ckptio
+from .ckptio import FORMAT_VERSION, find, kept, latest_name  # noqa: F401 - the module's API
 
-FORMAT_VERSION = 2        # 2: per-parameter AdamW step counts ("steps"), meta.json "frozen"
 KEYS = ("params", "master", "exp_avg", "exp_avg_sq")
 MODEL_ARGS = ("preset", "block_size")
 RUNTIME_CONFIG = ("activation_checkpointing",)   # GPTConfig fields that change no parameter
@@ -147,68 +147,38 @@ def _rng_state() -> dict:
     return state
 
 
-def write_atomic(path: Path, text: str):
-    """Write `text` to `path` atomically (a temporary file, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # --- save: collective, every rank writes its own file ------------------------------------------
 def save(strategy, model, root, step: int, meta: dict, *, crash_rank: int | None = None) -> Path:
     """Write the state after `step` optimizer steps to root/step_{step:06d}/ and point
-    root/latest at it. Collective (every rank calls it; three barriers, no data moves).
+    root/latest at it (`ckptio.write`: atomic, every file hashed; collective, every rank calls
+    it; three all_gathers of a few bytes, no state moves).
 
     Rank r writes rank{r}.pt: its range [Ψ_u/N] of params (run dtype), master, exp_avg,
     exp_avg_sq (fp32) for every unit, the AdamW step count of each parameter that overlaps its
     range ("steps", `param_steps`) and its RNG state; rank 0 also the replicated state no unit
     holds (frozen parameters, buffers) and meta.json = `meta` (the run's args, model_config,
     losses, ...) + format_version, step, stage, world_size, units, frozen (parameter names),
-    files {name: bytes}.
+    files {name: bytes}, sha256 {name: hex}, sealed. A rank that cannot write (a full disk)
+    makes every rank raise the same one-line ValueError; the previous checkpoint stays latest.
     crash_rank (tests only): that rank truncates its file and kills itself mid-save.
     Returns the checkpoint folder.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
-    root, name = Path(root), f"step_{step:06d}"
-    final, tmp = root / name, root / f".tmp_{name}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    shards = {u: {k: t.detach().cpu().clone() for k, t in d.items()}   # a view would save the
-              for u, d in strategy.shard_state().items()}               # whole storage behind it
-    state = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": n, "step": step,
-             "units": shards, "steps": param_steps(strategy, model), "rng": _rng_state()}
-    if rank == 0:
-        state["extra"] = _extra_state(model, strategy.units)
-    with open(tmp / f"rank{rank}.pt", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        if crash_rank == rank:                  # tests: die with half a file written
-            f.truncate(f.tell() // 2)
-            os.kill(os.getpid(), signal.SIGKILL)
-        os.fsync(f.fileno())
-    del shards, state
-    dist.barrier()                              # every rank file is complete on disk
-    if rank == 0:
-        files = {f"rank{r}.pt": (tmp / f"rank{r}.pt").stat().st_size for r in range(n)}
-        full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step,
-                     "stage": strategy.stage, "world_size": n,
-                     "units": unit_layout(strategy.units, model),
-                     "frozen": frozen_names(model, strategy.units), "files": files}
-        write_atomic(tmp / "meta.json", json.dumps(full_meta, indent=1))
-        old = root / f".old_{name}"
-        if final.exists():                      # the same step saved before: replace it whole
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        write_atomic(root / "latest", name)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+
+    def state():
+        shards = {u: {k: t.detach().cpu().clone() for k, t in d.items()}   # a view would save
+                  for u, d in strategy.shard_state().items()}               # all storage behind
+        out = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": n, "step": step,
+               "units": shards, "steps": param_steps(strategy, model), "rng": _rng_state()}
+        if rank == 0:
+            out["extra"] = _extra_state(model, strategy.units)
+        return out
+
+    def full_meta(files, hashes):
+        return {**meta, "format_version": FORMAT_VERSION, "step": step, "stage": strategy.stage,
+                "world_size": n, "units": unit_layout(strategy.units, model),
+                "frozen": frozen_names(model, strategy.units), "files": files, "sha256": hashes}
+    return ckptio.write(root, step, state, full_meta, crash_rank=crash_rank)
 
 
 # --- open: read-only, checked, rank files memory-mapped ----------------------------------------
@@ -275,54 +245,18 @@ def _numel(shape) -> int:
     return out
 
 
-def find(path) -> Path:
-    """The step folder for `path`: a step_* folder itself, or a folder holding `latest`
-    (OUT/stage{S}/checkpoints), or OUT/stage{S}. ValueError when none is there."""
-    p = Path(path)
-    for candidate in (p, p / "checkpoints"):
-        if (candidate / "meta.json").is_file():
-            return candidate
-        if (candidate / "latest").is_file():
-            step = candidate / (candidate / "latest").read_text().strip()
-            if not (step / "meta.json").is_file():
-                raise ValueError(f"checkpoint {str(candidate)!r}: 'latest' names {step.name!r}, "
-                                 "which has no meta.json")
-            return step
-    raise ValueError(f"no checkpoint at {str(path)!r}: expected a step_* folder with meta.json, "
-                     "or OUT/stage{S}/checkpoints with a 'latest' file")
-
-
 def open_checkpoint(path) -> Checkpoint:
-    """Find, check and open the checkpoint at `path` (see `find`). Every rank file is opened
-    memory-mapped (torch.load(mmap=True, weights_only=True)): nothing is read until used.
+    """Find, check and open the checkpoint at `path` (`ckptio.find`: a step_* folder, or the
+    one `latest` names). Every rank file is opened memory-mapped (torch.load(mmap=True,
+    weights_only=True)) after its size and sha256 are checked (`ckptio.load_rank_file`).
     Raises ValueError (one line) for a missing or unreadable meta.json or rank file, a file
-    whose size differs from the one recorded (truncated), or a newer format version."""
-    folder = find(path)
-    where = repr(str(folder))
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-        version = meta["format_version"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"checkpoint {where}: meta.json is unreadable ({err})") from None
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ValueError(f"checkpoint {where} has format version {version!r}; this zerolab "
-                         f"reads versions up to {FORMAT_VERSION}: upgrade zerolab to load it")
-    n, ranks = meta["world_size"], []
-    for r in range(n):
-        f = folder / f"rank{r}.pt"
-        if not f.is_file():
-            raise ValueError(f"checkpoint {where} is missing rank{r}.pt (saved by {n} ranks: "
-                             f"rank0.pt .. rank{n - 1}.pt must all be there)")
-        size, recorded = f.stat().st_size, meta["files"].get(f.name)
-        if size != recorded:
-            raise ValueError(f"checkpoint {where}: rank{r}.pt has {size} bytes but meta.json "
-                             f"recorded {recorded}: the file is truncated or was replaced")
-        try:
-            ranks.append(torch.load(f, map_location="cpu", mmap=True, weights_only=True))
-        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one line
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"checkpoint {where}: rank{r}.pt is unreadable ({first})") from None
-    return Checkpoint(folder, meta, ranks)
+    whose size differs from the one recorded (truncated), a newer format version; its subclass
+    IntegrityError for a file (latest, meta.json, rank{r}.pt) that differs from the sha256
+    recorded when it was written."""
+    folder = ckptio.find(path)
+    meta = ckptio.read_meta(folder)
+    return Checkpoint(folder, meta, [ckptio.load_rank_file(folder, meta, r)
+                                     for r in range(meta["world_size"])])
 
 
 def check_compatible(ckpt: Checkpoint, cfg: GPTConfig):

@@ -8,21 +8,28 @@ so that `load_state_dict(strict=True)` accepts them; optionally the AdamW state 
 its own step count; frozen parameters are in model.pt only), or a torch.distributed.checkpoint
 folder of the model that an FSDP2 (`fully_shard`) model loads at any world size.
 `weights_only_copy` shows what a rank-0 `torch.save(model.state_dict())` loses (notebook 11).
+Every file written gets NAME.sha256 beside it (`sha256sum -c model.pt.sha256` checks it,
+`integrity.check_sidecar` in Python); OUT is written atomically, and an OUT that is a folder or
+cannot be written is refused in one line before anything is read.
 
     zerolab checkpoint consolidate runs/a/stage2/checkpoints runs/a/model.pt --optimizer adamw.pt
 """
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 
 from ..model import GPT, GPTConfig
-from ..sharding import make_optimizer, set_adam_state
-from .checkpoint import (Checkpoint, full_state_dict, open_checkpoint, param_names,
-                         write_atomic)
+from ..optim import set_adam_state
+from ..sharding import make_optimizer
+from .checkpoint import Checkpoint, full_state_dict, open_checkpoint, param_names
+from .folders import atomic_path, atomic_write, check_out_dir, remove_tree
+from .integrity import seal, sha256_file, sidecar, sidecar_text
+from .resources import describe
 
 
 def consolidate(path, model=None) -> tuple[dict[str, torch.Tensor], Checkpoint]:
@@ -85,9 +92,9 @@ def weights_only_copy(src, dst) -> Path:
     AdamW's step count 0 (the data position stays). Resuming from it shows the price: see
     notebooks/11_checkpoints.ipynb. Returns `dst`."""
     ckpt, dst = open_checkpoint(src), Path(dst)
-    shutil.rmtree(dst, ignore_errors=True)
+    remove_tree(dst)                        # a link is removed itself, never followed
     dst.mkdir(parents=True)
-    files = {}
+    files, hashes = {}, {}
     for r, state in enumerate(ckpt.ranks):
         units = {name: {"params": t["params"].clone(), "master": t["params"].float(),
                         "exp_avg": torch.zeros_like(t["exp_avg"]),
@@ -96,14 +103,46 @@ def weights_only_copy(src, dst) -> Path:
         kept = {k: v for k, v in state.items() if k != "steps"}    # every count: 0
         torch.save({**kept, "units": units}, dst / f"rank{r}.pt")
         files[f"rank{r}.pt"] = (dst / f"rank{r}.pt").stat().st_size
-    write_atomic(dst / "meta.json", json.dumps({**ckpt.meta, "files": files, "optimizer_step": 0},
-                                              indent=1))
+        hashes[f"rank{r}.pt"] = sha256_file(dst / f"rank{r}.pt")
+    atomic_write(dst / "meta.json", json.dumps(seal({**ckpt.meta, "files": files, "sha256": hashes,
+                                                     "optimizer_step": 0}), indent=1))
     return dst
+
+
+def check_target(path, what: str) -> Path:
+    """ValueError (one line) unless `path` can become a file: not a folder, in a folder that is
+    (or can be made) writable."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {str(p)!r} is a folder; give a file path in it "
+                         f"(e.g. {str(p / 'model.pt')!r})")
+    check_out_dir(p.parent, f"{what} {str(p)!r}: its folder")
+    return p
+
+
+def _export(path: Path, write) -> Path:
+    """write(tmp) into a temporary file beside `path`, then rename it to `path` and write
+    NAME.sha256 beside it. OSError (a full disk) becomes one line naming what ran out."""
+    try:
+        with atomic_path(path) as tmp:
+            write(tmp)
+        atomic_write(sidecar(path), sidecar_text(path, sha256_file(path)))
+    except OSError as err:
+        why = describe(err)
+        raise ValueError(f"cannot write {str(path)!r}: {why[0] if why else err}; nothing was "
+                         f"written there; {why[1] if why else 'choose another path'}") from None
+    return path
 
 
 def consolidate_command(args) -> int:
     """`zerolab checkpoint consolidate DIR OUT [--safetensors] [--optimizer PATH] [--dcp DIR]`."""
-    out = Path(args.out)
+    out = check_target(args.out, "OUT")
+    if args.optimizer:
+        check_target(args.optimizer, "--optimizer")
+    if args.dcp:
+        if Path(args.dcp).exists() and not Path(args.dcp).is_dir():
+            raise ValueError(f"--dcp {args.dcp!r} is a file; give a folder path")
+        check_out_dir(args.dcp, "--dcp")
     if args.safetensors:
         try:
             from safetensors.torch import save_file
@@ -111,24 +150,34 @@ def consolidate_command(args) -> int:
             raise ValueError("--safetensors needs the safetensors package (pip install "
                              "safetensors), or omit it for a torch.save file") from None
     state_dict, ckpt = consolidate(args.dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.safetensors:        # safetensors stores no shared tensors: the tied key gets a copy
-        save_file({k: v.clone().contiguous() for k, v in state_dict.items()}, str(out),
-                  metadata={"step": str(ckpt.step), "format": "pt"})
+        _export(out, lambda tmp: save_file({k: v.clone().contiguous() for k, v in state_dict.items()},
+                                           str(tmp), metadata={"step": str(ckpt.step), "format": "pt"}))
     else:
-        torch.save(state_dict, out)
-    print(f"wrote {out}: {len(state_dict)} keys, fp32, step {ckpt.step}, from {ckpt.world_size} "
-          f"rank file(s) of stage {ckpt.stage} at {ckpt.folder}")
+        _export(out, lambda tmp: torch.save(state_dict, tmp))
+    print(f"wrote {out} (and {sidecar(out).name}): {len(state_dict)} keys, fp32, step "
+          f"{ckpt.step}, from {ckpt.world_size} rank file(s) of stage {ckpt.stage} at {ckpt.folder}")
     if args.optimizer:
-        torch.save(optimizer_state_dict(ckpt, state_dict), args.optimizer)
+        optim = optimizer_state_dict(ckpt, state_dict)
+        _export(Path(args.optimizer), lambda tmp: torch.save(optim, tmp))
         print(f"wrote {args.optimizer}: AdamW state in torch's optimizer.state_dict() layout "
               f"({len(ckpt.index)} trainable parameters; frozen, in model.pt only: "
               f"{', '.join(ckpt.frozen) or 'none'})")
     if args.dcp:
         from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
-        tmp = Path(args.dcp).with_suffix(".pt.tmp")
-        torch.save(state_dict, tmp)
-        torch_save_to_dcp(tmp, args.dcp)
-        tmp.unlink()
+        dcp = Path(args.dcp)
+        try:
+            dcp.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{dcp.name}.", suffix=".pt", dir=dcp.parent)
+            os.close(fd)                        # a temporary file of its own: never a link
+            try:
+                torch.save(state_dict, tmp)
+                torch_save_to_dcp(tmp, dcp)
+            finally:
+                os.unlink(tmp)
+        except OSError as err:
+            why = describe(err)
+            raise ValueError(f"cannot write --dcp {args.dcp!r}: {why[0] if why else err}; "
+                             f"{why[1] if why else 'choose another folder'}") from None
         print(f"wrote {args.dcp}: torch.distributed.checkpoint format (loads into FSDP2 at any N)")
     return 0

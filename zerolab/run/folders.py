@@ -8,7 +8,8 @@ Idea: every launch that writes into an output folder OUT is one *run* with an id
   drops it when the process dies, so a killed run never leaves a stale lock), and refuses a second
   run into a folder that is in use;
 - refuses a folder that holds another run's results, unless `overwrite=True`, which deletes that
-  run's files first (only the paths its manifest names as outputs, never anything else);
+  run's files first (only the paths its manifest names as outputs, never anything else, and
+  never through a symbolic link: a link is removed itself, what it points to stays);
 - writes OUT/run.json: run id, command, arguments, world size, start time, versions, status.
 
 Every file a run writes carries its run id (a "run_id" key in JSON files and torch files, PNG
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -31,9 +33,12 @@ import platform
 import secrets
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from pathlib import Path
+
+from .resources import describe
 
 MANIFEST = "run.json"
 LOCK = ".zerolab.lock"
@@ -156,15 +161,35 @@ class Run:
         self.run_id = manifest["run_id"]
 
     def finish(self, status: str, **extra):
-        """Record status ("ok", "failed", "interrupted") and end time; release the lock."""
+        """Record status ("ok", "failed", "interrupted"), end time and `extra` (e.g. reason: the
+        one line that ended the run); release the lock. On a full disk the manifest is
+        overwritten in place, without the file list (its blocks are already allocated)."""
         if self._lock_fd is None:
             return
-        self.manifest.update(status=status, finished=_now(), **extra)
-        self.manifest["files"] = sorted(str(p.relative_to(self.out)) for p in _files(
-            _held_outputs(self.out, self.manifest["outputs"])))
-        atomic_json(self.out / MANIFEST, self.manifest)
-        os.close(self._lock_fd)          # closing the descriptor releases the flock
-        self._lock_fd = None
+        try:
+            self.manifest.update(status=status, finished=_now(), **extra)
+            self.manifest["files"] = sorted(str(p.relative_to(self.out)) for p in _files(
+                _held_outputs(self.out, self.manifest["outputs"])))
+            atomic_json(self.out / MANIFEST, self.manifest, default=str)
+        except OSError:
+            with contextlib.suppress(OSError):
+                _overwrite(self.out / MANIFEST, json.dumps(
+                    {k: v for k, v in self.manifest.items() if k != "files"}, default=str))
+        finally:
+            os.close(self._lock_fd)          # closing the descriptor releases the flock
+            self._lock_fd = None
+
+
+def _overwrite(path: Path, text: str):
+    """Write `text` over the file at `path` in place (no new file: a full disk has no room for
+    one), then cut it to length. Not atomic: the last resort of `Run.finish`."""
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        os.pwrite(fd, text.encode(), 0)
+        os.ftruncate(fd, len(text.encode()))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _files(paths):
@@ -188,14 +213,27 @@ def continues(out, resume) -> bool:
     return resume == out or out in resume.parents
 
 
+def remove_tree(path):
+    """Delete `path`: a file, a symbolic link itself (never what it points to), or a folder with
+    everything in it (shutil.rmtree, which removes the links inside without following them).
+    A path that is not there is fine."""
+    path = Path(path)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    shutil.rmtree(path) if stat.S_ISDIR(mode) else path.unlink()
+
+
 def _remove(path: Path, keep: list[Path]):
-    """Delete `path` (file or folder), except `keep` paths inside it and their contents."""
+    """Delete `path` (file, folder or link, `remove_tree`), except `keep` paths inside it and
+    their contents."""
     if any(path == k or path in k.parents for k in keep):
-        if path.is_dir() and not any(path == k for k in keep):
+        if path.is_dir() and not path.is_symlink() and not any(path == k for k in keep):
             for child in path.iterdir():
                 _remove(child, keep)
         return
-    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    remove_tree(path)
 
 
 def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool = False,
@@ -211,7 +249,12 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
     except OSError as err:
         raise RunFolderError(f"--out {str(out)!r} cannot be created ({err.strerror})") from None
     outputs = list(outputs or OUTPUTS.get(command, OUTPUTS["train"]))
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:                                # never through a link: it would truncate its target
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        what = ("is a symbolic link (zerolab never makes one); remove it" if err.errno ==
+                errno.ELOOP else f"cannot be opened ({err.strerror})")
+        raise RunFolderError(f"--out {str(out)!r}: its lock file {LOCK} {what}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -232,8 +275,9 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
             elif not overwrite:
                 raise RunFolderError(f"--out {str(out)!r} holds {what}; pass --overwrite to replace "
                                      "it, or choose another --out")
+            base = out.resolve()                # the folder named, never the entries' links
             for p in held:
-                _remove(p.resolve(), keep)
+                _remove(base / p.relative_to(out), keep)
         run_id = run_id or new_run_id()
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"run {run_id}, pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
@@ -242,6 +286,12 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
                     "status": "running", "pid": os.getpid(), "host": socket.gethostname(),
                     "versions": versions(), "outputs": outputs}
         atomic_json(out / MANIFEST, manifest, default=str)
+    except OSError as err:                  # a full disk, a folder it may not change
+        os.close(fd)
+        what = describe(err)
+        raise RunFolderError(f"--out {str(out)!r}: cannot start the run there: "
+                             f"{what[0] if what else err}; {what[1] if what else 'check it'}"
+                             ) from None
     except BaseException:
         os.close(fd)
         raise
@@ -259,8 +309,9 @@ def start_run(out, **kwargs):
         run.finish("interrupted")
         raise
     except BaseException as err:
-        run.finish("interrupted" if "interrupted" in str(err).split("\n")[0]
-                   or "terminated" in str(err).split("\n")[0] else "failed")
+        line = str(err).split("\n")[0] or type(err).__name__
+        run.finish("interrupted" if "interrupted" in line or "terminated" in line else "failed",
+                   reason=line)
         raise
     run.finish("ok")
 
@@ -268,7 +319,7 @@ def start_run(out, **kwargs):
 def in_use(out) -> bool:
     """True while some run holds OUT's lock (this process's own run included)."""
     try:
-        fd = os.open(Path(out) / LOCK, os.O_RDONLY)
+        fd = os.open(Path(out) / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return False
     try:

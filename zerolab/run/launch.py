@@ -19,19 +19,23 @@ import selectors
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
+from .resources import describe, in_output
+
 
 class LaunchError(RuntimeError):
     """A launch that failed: non-zero exit, timeout or interrupt. `.output` holds the last lines."""
 
-    def __init__(self, message: str, output: str = ""):
+    def __init__(self, message: str, output: str = "", *, ran_out: tuple[str, str] | None = None):
         super().__init__(message + (f"\n--- last output of the ranks ---\n{output}" if output else ""))
         self.output = output
+        self.ran_out = ran_out      # (what ran out, what to do) when that is why it failed
 
 
 #: how a rank program starts the one line that says why it stopped (zerolab.run.train prints it)
@@ -124,27 +128,35 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     """Run `cmd` in its own process group, echoing each output line; return all output.
 
     Raises LaunchError on a non-zero exit (its message: a rank's one-line `zerolab.run.train: error:`
-    when there is one, else the exit code with the last `tail_lines` lines, which hold the failing
-    rank's traceback), on timeout (seconds), on KeyboardInterrupt / SIGTERM / SIGHUP, and when
+    when there is one; else one line naming what a process ran out of (`resources.in_output`:
+    disk, memory, open files..., `.ran_out` set); else the exit code with the last `tail_lines`
+    lines, which hold the failing rank's traceback: a traceback is echoed only then, or when the
+    run goes on 10 s after it), on timeout (seconds), on KeyboardInterrupt / SIGTERM / SIGHUP, and when
     torchrun itself dies (e.g. SIGKILLed). In every case every process the command started is
     stopped first (`_stop`): ranks live in sessions of their own, so the launcher tracks them.
     TMPDIR and JUPYTER_RUNTIME_DIR point into a private folder removed afterwards, so neither
     torchrun's `torchelastic_*` folders nor a kernel's connection file outlive the run.
     """
     _sweep_private_dirs()
-    private = tempfile.mkdtemp(prefix=f"zerolab-run-{os.getpid()}-")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": private,
-           "JUPYTER_RUNTIME_DIR": os.path.join(private, "jupyter"), **(env or {})}
-    if sys.platform == "linux" and os.path.isdir("/sys/class/net/lo") and "127.0.0.1" in cmd:
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # all on this machine: gloo on loopback too
+    private = None
     tree = _Tree()
     try:
+        private = tempfile.mkdtemp(prefix=f"zerolab-run-{os.getpid()}-")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": private,
+               "JUPYTER_RUNTIME_DIR": os.path.join(private, "jupyter"), **(env or {})}
+        if sys.platform == "linux" and os.path.isdir("/sys/class/net/lo") and "127.0.0.1" in cmd:
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # all on this machine: gloo on loopback
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, start_new_session=True, bufsize=1,
                                 preexec_fn=_pdeathsig())
-    except BaseException:
-        shutil.rmtree(private, ignore_errors=True)
-        raise
+    except BaseException as err:
+        if private:
+            shutil.rmtree(private, ignore_errors=True)
+        why = describe(err) if isinstance(err, Exception) else None
+        if why is None:
+            raise
+        raise LaunchError(f"{why[0]}: torchrun could not be started, nothing ran; {why[1]}",
+                          ran_out=why) from None
     tree.root = proc.pid
     lines, tail = [], collections.deque(maxlen=tail_lines)
     deadline = time.monotonic() + timeout
@@ -152,14 +164,23 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     if threading.current_thread() is threading.main_thread():   # SIGTERM / SIGHUP: clean up too
         previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     died_at, said = None, False
+    held, held_at = [], 0.0     # a traceback being printed: echoed once it is not explained
+
+    def flush():
+        for ln in held:
+            echo(ln.rstrip("\n"))
+        held.clear()
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         while True:
             now = time.monotonic()
             tree.scan()
+            if held and now > held_at + 10:    # the run went on: it was not its end
+                flush()
             if now > deadline:
                 _stop(proc, tree, grace)
+                flush()
                 raise LaunchError(f"timed out after {timeout:g} s (--timeout): every rank was "
                                   f"stopped: {' '.join(cmd[2:])}", "".join(tail))
             if died_at is None and proc.poll() is not None:
@@ -179,10 +200,15 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
             tail.append(line)
             said |= line.lstrip().startswith(RANK_ERROR)   # a rank said why in one line: it
             if echo and not said and not _noise(line):    # ends the run, torchrun's report of
-                echo(line.rstrip("\n"))                  # the exit would only bury it
+                if held or _TRACEBACK.match(line):       # the exit would only bury it
+                    held_at = held_at if held else now
+                    held.append(line)
+                else:
+                    echo(line.rstrip("\n"))
         proc.wait()
     except (KeyboardInterrupt, _Terminated) as err:
         _stop(proc, tree, grace)
+        flush()
         why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"terminated ({err})"
         raise LaunchInterrupted(f"{why}: all ranks were stopped", "".join(tail)) from None
     finally:
@@ -192,6 +218,9 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(private, ignore_errors=True)
+    why = in_output("".join(lines)) if proc.returncode > 0 and not said else None
+    if why is None and not said:                # not explained in one line: show it all
+        flush()
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
         raise LaunchError(f"torchrun was killed by {name}; every rank was stopped: "
@@ -200,6 +229,11 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
         own = [ln.strip() for ln in lines if ln.lstrip().startswith(RANK_ERROR)]
         if own:                                 # a rank said why in one line: that is the error
             raise LaunchError(own[0].split("error:", 1)[1].strip())
+        if why:                                 # died of it before it could say so (an import)
+            err = LaunchError(f"{why[0]}, in a rank or in torchrun (exit code {proc.returncode})"
+                              f"; {why[1]}", ran_out=why)
+            err.output = "".join(tail)
+            raise err
         lost = [m for m in _PEER_LOST if m in "".join(tail)]
         peer = (f"; a peer rank went away ({lost[0]!r}): did another node's launcher stop?"
                 if lost else "")
@@ -336,9 +370,14 @@ def _sweep_private_dirs():
     root = tempfile.gettempdir()
     for entry in os.listdir(root):
         if entry.startswith("zerolab-run-"):
-            pid = entry.split("-")[2]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}") and os.path.isdir("/proc"):
-                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+            pid, path = entry.split("-")[2], os.path.join(root, entry)
+            try:                                # only real folders of this user: never a link
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if (pid.isdigit() and not os.path.exists(f"/proc/{pid}") and os.path.isdir("/proc")
+                    and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _is_loopback(host: str) -> bool:
@@ -382,6 +421,8 @@ def loopback_torchrun(argv=None) -> None:
     torchrun.main(argv)
 
 
+# how a Python traceback starts (torchrun prefixes a rank's lines with "[rank1]: ")
+_TRACEBACK = re.compile(r"^(\[rank\d+\]:\s*)?Traceback \(most recent call last\):")
 # what gloo / the TCP store report when a rank of another process or node has gone away
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
               "Connection refused")
