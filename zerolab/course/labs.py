@@ -161,10 +161,43 @@ def lab_notebooks(labs_dir: Path | None = None, only: str | None = None) -> list
     return books
 
 
+def _load(text: str):
+    """The value of one -p NAME=VALUE as papermill reads it: YAML's safe loader, dates left as
+    text (papermill's NoDatesSafeLoader)."""
+    import yaml
+
+    class NoDates(yaml.SafeLoader):
+        yaml_implicit_resolvers = {c: [r for r in rs if r[0] != "tag:yaml.org,2002:timestamp"]
+                                   for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    return yaml.load(text, Loader=NoDates)
+
+
+def _not_plain(value) -> str:
+    """"" for a number, text, true/false, null, or a list / text-keyed mapping of them: what
+    papermill writes into a notebook as a Python literal (anything else - bytes, sets, pairs -
+    it pastes in as text that may run as code); else the type of the first part that is not."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return ""
+    if type(value) is list:
+        return next(filter(None, map(_not_plain, value)), "")
+    if type(value) is dict:
+        return next(filter(None, (_not_plain(v) if isinstance(k, str) else type(k).__name__
+                                  for k, v in value.items())), "")
+    return type(value).__name__
+
+
+def papermill_yaml(name: str, text: str) -> str:
+    """The `-y` argument for papermill: {name: value} written back as one line of plain YAML, so
+    that papermill reads exactly the value checked here (data, never code)."""
+    import yaml
+    return yaml.safe_dump({name: _load(text)}, default_flow_style=True, width=float("inf")).strip()
+
+
 def _parse_overrides(items) -> list[tuple[str, str]]:
     """[(name, value text)] from "NAME=VALUE" items. papermill writes names and values into the
     parameters cell as code, so a name must be a Python identifier (ASCII), a value one line of
-    valid YAML; ValueError (one line) otherwise."""
+    valid YAML holding plain data (`_not_plain`: a YAML tag such as !!binary or !!set is refused);
+    ValueError (one line) otherwise."""
     import yaml
     out = []
     for item in items or []:
@@ -177,23 +210,73 @@ def _parse_overrides(items) -> list[tuple[str, str]]:
             raise ValueError(f"--parameter {name}: the value {value!r} must be one line of "
                              "printable text")
         try:
-            yaml.safe_load(value)
+            data = _load(value)
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ValueError(f"--parameter {name}={value!r} is not valid YAML ({problem}); "
                              "quote text, e.g. stages='0,1'") from None
+        bad = _not_plain(data)
+        if bad:
+            raise ValueError(f"--parameter {name}={value!r} holds YAML of type {bad} (a tag such "
+                             "as !!binary, !!set or !!omap): a lab parameter is data - a number, "
+                             f"text, true/false, null, or a list of them; quote text, e.g. "
+                             f"{name}='...'")
         out.append((name, value))
     return out
 
 
-COMMON = ("nproc", "backend", "device", "stages", "preset", "steps")
+COMMON = ("nproc", "backend", "device", "stages", "preset", "steps", "world_sizes")
 
 
-def _check_overrides(overrides):
-    """Check the overrides every lab shares (read as papermill reads them, YAML) with
-    `check_parameters`, so that a bad value stops `zerolab labs` before any lab starts."""
-    import yaml
-    common = {name: yaml.safe_load(value) for name, value in overrides if name in COMMON}
+def lab_parameters(book: Path) -> dict:
+    """{name: default} of a lab's parameters cell (None where the default is not a literal)."""
+    import ast
+    cells = json.loads(Path(book).read_text()).get("cells", [])
+    source = next(("".join(c.get("source", "")) for c in cells
+                   if "parameters" in c.get("metadata", {}).get("tags", [])), "")
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                out[node.targets[0].id] = None
+    return out
+
+
+def _kind(value) -> str:
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else "true or false"
+    return ("a number" if isinstance(value, (int, float)) else "text" if isinstance(value, str)
+            else "a list" if isinstance(value, list) else "a mapping")
+
+
+def _check_overrides(overrides, books=()):
+    """Check the overrides before any lab starts, read as papermill reads them: each names a
+    parameter of a lab to run (its parameters cell, `lab_parameters`), of the kind of that
+    lab's default (a list may also be given as text, "0.1,1"); the ones the labs share with
+    `check_parameters`; size_preset a preset. LabParameterError (one line) names the bad one."""
+    from ..model import get_config
+    values = {name: _load(text) for name, text in overrides}
+    cells = {book.stem: lab_parameters(book) for book in books}
+    for name, value in values.items():
+        having = {lab: d[name] for lab, d in cells.items() if name in d}
+        if cells and not having:
+            known = sorted({n for d in cells.values() for n in d})
+            _bad(f"--parameter {name}: no lab to run has a parameter {name} (theirs: "
+                 f"{', '.join(known)})")
+        for lab, default in having.items():
+            kind, want = _kind(value), _kind(default)
+            if name not in COMMON and default is not None and kind != want \
+                    and not (want == "a list" and kind == "text"):
+                _bad(f"{name} = {value!r} must be {want}, as {lab}'s default {default!r}")
+    if "size_preset" in values:
+        try:
+            get_config(values["size_preset"])
+        except (ValueError, TypeError, KeyError) as err:
+            _bad(f"size_preset = {values['size_preset']!r}: {str(err).split(' is ', 1)[-1]}")
+    common = {name: value for name, value in values.items() if name in COMMON}
     if common:
         check_parameters(**common)
 
@@ -216,7 +299,7 @@ def run_labs(args) -> int:
     out = Path(args.out).resolve()
     books = lab_notebooks(only=args.only)
     overrides = _parse_overrides(args.parameter)
-    _check_overrides(overrides)
+    _check_overrides(overrides, books)
     with start_run(out, command="labs", args=vars(args), world_size=0,
                    overwrite=getattr(args, "overwrite", False)) as run:
         code = _run_books(books, out, overrides, args.timeout, run.run_id)
@@ -236,7 +319,7 @@ def _run_books(books, out, overrides, timeout, run_id) -> int:
                "--cwd", str(book.parent), "-p", "out", str(lab_out), "--log-output",
                "--no-progress-bar", "-k", kernel]
         for name, value in overrides:           # YAML: 4 -> int, [1, 2] -> list, tiny -> text
-            cmd += ["-y", f"{name}: {value}"]
+            cmd += ["-y", papermill_yaml(name, value)]
         print(f"zerolab labs: {book.stem} ...", flush=True)
         t0 = time.perf_counter()
         status, error = "ok", ""

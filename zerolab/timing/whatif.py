@@ -36,6 +36,9 @@ from ..memory import TRANSIENT, MemoryMeter
 from ..model import GPT, get_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: the largest world one process fakes: the fake process group and Comm keep a table of every
+#: rank (N = 1e6: ~0.4 GB and ~10 s; 1e8 would take ~13 GB and minutes)
+MAX_WORLD = 1_000_000
 
 
 def state_bytes(tensors) -> int:
@@ -137,6 +140,10 @@ def whatif(preset: str = "1b", world_size: int = 1024, stages=(0, 1, 2, 3), *, r
     """One report per stage (see `rank_report`) for `rank` of a fake world of `world_size`, the
     preset's GPT built on the meta device, plus the formula at the padded Ψ for comparison."""
     theory.check_world_size(world_size)
+    if world_size > MAX_WORLD:
+        raise ValueError(f"world_size {world_size:,} is more than whatif's {MAX_WORLD:,} ranks (a "
+                         f"fake world keeps a table of every rank); zerolab memory and zerolab "
+                         f"time take any N")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
     if precision not in DTYPES:

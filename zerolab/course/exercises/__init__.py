@@ -133,12 +133,14 @@ EXERCISES.update((e.name, e) for e in (
 ))
 
 
-def exercise(name: str, impl: str, nproc: int = 3, timeout: float = 90.0, quiet: bool = False):
+def exercise(name: str, impl: str, nproc: int = 3, timeout: float = 90.0, quiet: bool = False,
+             call_timeout: float = 20.0):
     """Check `impl` (a .py file, or a dotted module such as "zerolab.ddp") for exercise `name` on
     `nproc` gloo ranks; print the verdict and return a `checker.Result` (`.ok`, `.lines`).
-    Never raises for a wrong or blank solution (the notebook cell shows the message)."""
+    Never raises for a wrong or blank solution (the notebook cell shows the message). timeout:
+    seconds for the whole check; call_timeout: for one call of your function (a hang)."""
     from .checker import run_check
-    result = run_check(name, impl, nproc=nproc, timeout=timeout)
+    result = run_check(name, impl, nproc=nproc, timeout=timeout, call_timeout=call_timeout)
     if not quiet:
         print(result.text())
     return result
@@ -164,8 +166,8 @@ def reveal(question: str):
 
 
 def cli_check(args) -> int:
-    """`zerolab check [EXERCISE] --impl FILE [--nproc N] [--timeout S] [--list] [--hint [K]]`:
-    0 pass (or a hint printed), 1 fail."""
+    """`zerolab check [EXERCISE] --impl FILE [--nproc N] [--timeout S] [--call-timeout S] [--list]
+    [--hint [K]]`: 0 pass (or a hint printed), 1 fail."""
     if getattr(args, "hint", None) is not None:
         if args.exercise is None:
             raise ValueError("--hint needs an exercise: zerolab check ddp --hint (zerolab check "
@@ -182,4 +184,5 @@ def cli_check(args) -> int:
     if args.impl is None:
         raise ValueError(f"--impl FILE is required: your .py file (start from "
                          f"{EXERCISES[args.exercise].skeleton})")
-    return 0 if exercise(args.exercise, args.impl, nproc=args.nproc, timeout=args.timeout).ok else 1
+    return 0 if exercise(args.exercise, args.impl, nproc=args.nproc, timeout=args.timeout,
+                         call_timeout=getattr(args, "call_timeout", 20.0)).ok else 1

@@ -7,7 +7,7 @@ that failed it):
    none of them is still blank (`raise NotImplementedError`): no ranks are started otherwise;
 2. without ranks (`diagnose.probe`): shard_range's (start, stop) for numel 1..40 and a few large
    ones, N = 1..8, every rank; ZeRO-1's own_gradient on a bf16 unit (the fp32 conversion);
-3. on N ranks (`zerolab.course.testing.run_ranks`, with a timeout): train zerolab's strategy of that
+3. on N ranks (`sandbox.run_ranks`: gloo on loopback): train zerolab's strategy of that
    stage on the GPT "nano" (the odd-sized toy model for shard_range) in fp32, 3 optimizer steps
    of 2 micro-steps each, global gradient clipping at 0.5, and after every step compare
    - every parameter on every rank with `zerolab.course.testing.reference` (torch's AdamW on the whole
@@ -24,8 +24,13 @@ that failed it):
      flight, the handle they return, the result against the right one and the usual wrong ones.
      Such a named mistake is reported first, with the learner's function and line, and the
      measured findings as evidence.
-A rank that raises is reported with the line of the learner's file it raised in; a run that
-hangs (a collective not every rank issued) is killed after `timeout` seconds.
+The learner's code runs in children only (sandbox.py): steps 1-2 in a fork of this process, the
+judge, step 3 on the ranks; this process decides. A check passes only when each of the learner's
+functions was called on every rank and every rank compared every step (`outcome.unrun`); else
+one line says what happened (`outcome.failure`): the file exited at import, a rank exited or
+raised inside a function (with the line of the learner's file), a call did not return within
+`call_timeout` seconds (CALL_TIMEOUT, `--call-timeout`: every process is stopped, the function
+named), or the whole check passed `timeout` seconds.
 """
 from __future__ import annotations
 
@@ -34,16 +39,18 @@ import importlib
 import importlib.util
 import inspect
 import os
-import re
 import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import EXERCISES, diagnose, watch
+from . import EXERCISES, diagnose, outcome, sandbox, watch
+from ..testing import RanksFailed
 
 ATOL = 1e-6                 # fp32, as tests/test_equivalence.py (see its comment on lr 1e-4)
 STEPS, ACCUM, ROWS, MAX_NORM = 3, 2, 1, 0.5
+CALL_TIMEOUT = 20.0         # s: one call of a learner's function (each takes milliseconds)
+MORE = "zerolab.course.exercises.more"
 
 
 class ImplError(Exception):
@@ -87,7 +94,8 @@ def load_impl(impl: str, name: str):
         spec = importlib.util.spec_from_file_location(f"zerolab_learner_{name}", path)
         module = importlib.util.module_from_spec(spec)
         try:
-            spec.loader.exec_module(module)
+            with sandbox.marking("import"):         # an exit here: "exited at import"
+                spec.loader.exec_module(module)
         except SyntaxError as err:
             raise ImplError(f"{impl} line {err.lineno}: SyntaxError: {err.msg}") from None
         except Exception as err:  # noqa: BLE001 - the learner's import-time error, in one line
@@ -159,14 +167,17 @@ def check_worker(rank, n, name, impl):
     """Runs on every rank: install the learner's functions, train, compare. Returns a list of
     findings {"step", "rank", "kind", "text", "diagnosis"} (empty: all equal; diagnosis: a
     mistake named by zerolab.course.exercises.diagnose) and the largest parameter diff."""
-    notes, found = diagnose.Notes(), []
+    notes, found, before = diagnose.Notes(), [], sandbox.calls()
     try:
-        return _check_run(rank, n, name, impl, notes, found)
+        out = _check_run(rank, n, name, impl, notes, found)
     except diagnose.Mistake as err:         # going on would crash zerolab: every rank stops
         found += [{"step": notes.step, "rank": rank, "kind": kind, "text": text, "diagnosis": True}
                   for kind, text in [(err.kind, err.text), *notes.drain()]]
         _any_rank(True)
-        return {"findings": found, "worst": 0.0, "psi": 0}
+        out = {"findings": found, "worst": 0.0, "psi": 0, "compared": 0}
+    # the learner's calls during this check (sandbox.marked counts them): outcome.unrun
+    out["calls"] = {k: v - before.get(k, 0) for k, v in sandbox.calls().items()}
+    return out
 
 
 def _check_run(rank, n, name, impl, notes, found):
@@ -177,10 +188,11 @@ def _check_run(rank, n, name, impl, notes, found):
     from ...memory import MemoryMeter
 
     ex = EXERCISES[name]
-    install(ex, watch.instrument(name, learner_functions(ex, impl), notes))
+    install(ex, watch.instrument(name, sandbox.marked(learner_functions(ex, impl)), notes))
     job = dict(model=ex.model, precision="fp32", grad_accum=ACCUM, rows_per_micro=ROWS,
                max_norm=MAX_NORM)
     ref = testing.reference(job, n, STEPS, history=True)
+    _any_rank(False)                        # together from here: call_timeout is per call
     model = testing.make_model(ex.model)
     before = {k: p.detach().float().clone() for k, p in model.named_parameters()}
     comm, meter = Comm(), MemoryMeter()
@@ -190,7 +202,7 @@ def _check_run(rank, n, name, impl, notes, found):
     s = STRATEGIES[ex.stage](model, comm, max_grad_norm=MAX_NORM, lr=testing.LR,
                              weight_decay=testing.WD, meter=meter, **kwargs)
     psi = sum(u.padded_numel for u in s.units)
-    worst = 0.0
+    worst, compared = 0.0, 0
 
     def finding(step, kind, text, diagnosis=False):
         found.append({"step": step, "rank": rank, "kind": kind, "text": text,
@@ -275,9 +287,10 @@ def _check_run(rank, n, name, impl, notes, found):
                     f"largest difference {largest:.2g} > {ATOL:g}" + (f": {advice}" if advice
                                                                        else ""))
         before = ref["history"][step]
+        compared += 1
         if _any_rank(bool(found)):
             break                           # the first step that differs is the one to fix
-    return {"findings": found, "worst": worst, "psi": psi}
+    return {"findings": found, "worst": worst, "psi": psi, "compared": compared}
 
 
 def _any_rank(flag: bool) -> bool:
@@ -308,40 +321,50 @@ def check_many_worker(rank, n, pairs):
 
 
 # --- in the parent ------------------------------------------------------------------------------
-def _rank_error(err, impl: str) -> list[str]:
-    """One or two lines from the ranks' reports: which rank raised, where in the learner's file."""
-    name = Path(impl).name
-    for rank, text in sorted(err.ranks.items()):
-        if "Traceback" not in text:
-            continue
-        last = text.strip().splitlines()[-1]
-        if last.startswith(f"{diagnose.__name__}.Mistake: "):    # a named mistake, as is
-            return [last.partition(": ")[2]]
-        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
-        mine = [f for f in frames if Path(f[0]).name == name]
-        where = f" in your {mine[-1][2]} ({name} line {mine[-1][1]})" if mine else ""
-        return [f"rank {rank} raised{where}: {last}"]
-    if "timed out" in err.why:
-        stuck = []
-        for rank, text in sorted(err.ranks.items()):
-            frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', text)
-            mine = [f for f in frames if Path(f[0]).name == name]
-            if mine:
-                stuck.append(f"rank {rank} was waiting in your {mine[0][2]} ({name} line "
-                             f"{mine[0][1]})")
-        return [f"the ranks did not finish: {err.why}. A collective that not every rank "
-                f"issued, or a wait that never ends, hangs the others.", *stuck]
-    return [err.why]
+def _judged(name: str, impl: str, nproc: int, timeout: float) -> dict:
+    """In the judge (sandbox.judge, a fork): load and check the learner's file, grade what needs
+    no rank. JSON: {"error": line} | {"ok", "lines", "diagnosed"} (graded) | {"measure": worker}
+    (more.py wants a measured run first) | {} (start the ranks)."""
+    ex = EXERCISES[name]
+    try:
+        functions = sandbox.marked(learner_functions(ex, impl))
+    except ImplError as err:
+        return {"error": str(err)}
+    if ex.grader == MORE:                   # (f)-(h): rank-free, with runs measured here
+        more = importlib.import_module(MORE)
+        try:
+            ok, lines = more.grade(name, functions, impl, nproc, timeout)
+        except more.Unmeasured as err:
+            return {"measure": err.args[0]}
+        return {"ok": ok, "lines": lines, "diagnosed": False}
+    problems = [] if ex.grader else diagnose.probe(name, functions)     # shard_range, own_gradient
+    return {"ok": False, "lines": problems, "diagnosed": True} if problems else {}
 
 
-def run_check(name: str, impl: str, nproc: int = 3, timeout: float = 90.0) -> Result:
-    """Check `impl` for exercise `name` on `nproc` (2-4) gloo ranks; see the module docstring."""
-    from .. import testing
+def _judge(name: str, impl: str, nproc: int, timeout: float, call_timeout: float):
+    """(the judge's answer, its calls of the learner's functions); the runs more.py measures are
+    taken here, in the checking process, then the judge runs again. Raises sandbox.Failed."""
+    while True:
+        answer, calls = sandbox.judge(_judged, name, impl, nproc, timeout, timeout=timeout,
+                                      call_timeout=call_timeout)
+        if "measure" not in answer:
+            return answer, calls
+        problem = importlib.import_module(MORE).measure(answer["measure"], nproc, timeout)
+        if problem:
+            return {"ok": False, "lines": [problem], "diagnosed": False}, calls
 
+
+def run_check(name: str, impl: str, nproc: int = 3, timeout: float = 90.0,
+              call_timeout: float = CALL_TIMEOUT) -> Result:
+    """Check `impl` for exercise `name` on `nproc` (2-4) gloo ranks; see the module docstring.
+    timeout: seconds for the whole check; call_timeout: for one call of a learner's function."""
     if name not in EXERCISES:
         raise ValueError(f"exercise {name!r} is not one of {', '.join(EXERCISES)}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or not 2 <= nproc <= 4:
         raise ValueError(f"nproc {nproc!r} must be 2, 3 or 4")
+    for what, value in (("timeout", timeout), ("call_timeout", call_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{what} {value!r} must be a number of seconds > 0")
     ex, t0 = EXERCISES[name], time.monotonic()
     result = Result(name, impl, nproc)
 
@@ -351,86 +374,54 @@ def run_check(name: str, impl: str, nproc: int = 3, timeout: float = 90.0) -> Re
         return result
 
     try:
-        functions = learner_functions(ex, impl)
-    except ImplError as err:
-        return done(False, [str(err)])
-    if ex.grader:                           # (f)-(j): graded by their own module (more, track)
-        return done(*importlib.import_module(ex.grader).grade(name, functions, str(impl),
-                                                                 nproc, timeout))
-    problems = diagnose.probe(name, functions)     # without ranks: shard_range, own_gradient
-    if problems:
-        return done(False, problems, diagnosed=True)
-    try:
-        per_rank = testing.run_ranks(check_worker, nproc, name, str(impl), timeout=timeout)
-    except testing.RanksFailed as err:
-        return done(False, _rank_error(err, impl))
-    return _verdict(done, per_rank)
+        answer, calls = _judge(name, str(impl), nproc, timeout, call_timeout)
+        if "error" in answer:
+            return done(False, [answer["error"]])
+        if "lines" in answer:               # only (f)-(h) can pass without ranks
+            ok = answer["ok"] is True and ex.grader == MORE
+            unrun = outcome.unrun(ex.functions, [calls], ranks=False) if ok else []
+            return done(ok and not unrun, unrun or answer["lines"],
+                        answer["diagnosed"] or bool(unrun))
+        if ex.grader:                       # (i)-(j): graded on ranks by track.py
+            return done(*importlib.import_module(ex.grader).grade(name, str(impl), nproc,
+                                                                     timeout, call_timeout))
+        per_rank = sandbox.run_ranks(check_worker, nproc, name, str(impl), timeout=timeout,
+                                     call_timeout=call_timeout)
+    except RanksFailed as err:
+        return done(False, *outcome.failure(err, impl))
+    return outcome.verdict(done, [r["result"] for r in per_rank], ex, STEPS, ACCUM, ATOL)
 
 
 def run_checks(pairs, nproc: int = 3, timeout: float = 120.0) -> list[Result]:
     """Results for several (exercise, impl) pairs graded in ONE group of ranks: quicker, for
     implementations known to load and not to raise (the package's and the tests' variants);
     impls that fail before ranks start are graded without them."""
-    from .. import testing
     t0, results, launch = time.monotonic(), [], []
     for name, impl in pairs:
-        if EXERCISES[name].grader:          # (f)-(j): one at a time (tests: track.grade_many)
+        ex, result = EXERCISES[name], Result(name, impl, nproc)
+        if ex.grader and ex.grader != MORE:     # the track: one at a time (track.grade_many)
             results.append(run_check(name, impl, nproc, timeout))
             continue
-        result = Result(name, impl, nproc)
-        try:
-            functions = learner_functions(EXERCISES[name], impl)
-            problems = diagnose.probe(name, functions)
-            result.diagnosed = bool(problems)
-        except ImplError as err:
-            problems = [str(err)]
-        if problems:
-            result.lines = problems
+        answer, calls = _judge(name, str(impl), nproc, timeout, CALL_TIMEOUT)
+        if "error" in answer:
+            result.lines = [answer["error"]]
+        elif "lines" in answer:
+            result.ok, result.lines = answer["ok"], answer["lines"]
+            result.diagnosed = answer["diagnosed"]
         else:
             launch.append(len(results))
         results.append(result)
-    per_item = testing.run_ranks(check_many_worker, nproc,
-                                 [pairs[i] for i in launch], timeout=timeout) if launch else []
+    per_item = [r["result"] for r in sandbox.run_ranks(
+        check_many_worker, nproc, [pairs[i] for i in launch], timeout=timeout,
+        call_timeout=CALL_TIMEOUT)] if launch else []
     for k, i in enumerate(launch):
         res = results[i]
 
         def done(ok, lines, diagnosed=False, res=res):
             res.ok, res.lines, res.diagnosed = ok, lines, diagnosed
             return res
-        _verdict(done, [rank_out[k] for rank_out in per_item])
+        outcome.verdict(done, [rank_out[k] for rank_out in per_item], EXERCISES[res.exercise],
+                        STEPS, ACCUM, ATOL)
     for res in results:
         res.seconds = time.monotonic() - t0
     return results
-
-
-def _verdict(done, per_rank) -> Result:
-    found = [f for r in per_rank for f in r["findings"]]
-    if found:
-        first = min(f["step"] for f in found)
-        lines = [f"step {first + 1} of {STEPS} (each {ACCUM} micro-steps), the first that differs:"]
-        at_first = [f for f in found if f["step"] == first]
-        named = any(f.get("diagnosis") for f in at_first)
-        ranks_by_line: dict[tuple, list[int]] = {}      # one line per finding, ranks grouped
-        # the mistakes diagnose named first (what to fix), then what the checks measured
-        for f in sorted(at_first, key=lambda f: (not f.get("diagnosis"), f["rank"])):
-            ranks = ranks_by_line.setdefault((f["kind"], f["text"], bool(f.get("diagnosis"))), [])
-            if f["rank"] not in ranks:
-                ranks.append(f["rank"])
-        kinds_shown, measured = set(), 0
-        for (kind, text, diagnosis), ranks in ranks_by_line.items():
-            if (kind, tuple(ranks)) in kinds_shown:
-                continue                                 # the first of each kind is enough
-            if named and not diagnosis:
-                measured += 1
-                if measured > 2:                         # the evidence, briefly
-                    continue
-            kinds_shown.add((kind, tuple(ranks)))
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-            lines.append(f"{who}: {kind}: {text}")
-        return done(False, lines, diagnosed=named)
-    worst = max(r["worst"] for r in per_rank)
-    return done(True, [
-        f"every parameter on every rank equals single-process torch AdamW after each of "
-        f"{STEPS} steps (largest difference {worst:.2g} <= {ATOL:g})",
-        f"bytes sent and bytes held equal the formulas at Ψ = {per_rank[0]['psi']:,} (padded) "
-        f"on every rank, every step"])

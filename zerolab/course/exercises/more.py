@@ -21,10 +21,10 @@ prediction, and grade it against zerolab's own answer and against a measured run
     collectives took on gloo ranks over the emulated link (`timing.linkemu`), within
     MEASURE_REL of the prediction + MEASURE_ABS_S.
 
-`checker.run_check` loads the learner's functions and calls `grade`; the reference solutions
-are the functions below of the same names (exercise (h): `costmodel.collective_time`). The
-measurements do not depend on the learner's code: each is taken once per process (`_measured`),
-so a second check in the same kernel answers in a second.
+`checker.run_check`'s judge (a fork) loads the learner's functions and calls `grade`; the
+reference solutions are the functions below of the same names ((h): `costmodel.collective_time`).
+The measured runs do not depend on the learner's code: the checking process takes each once
+(`measure`; a second check in the same kernel answers in a second).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import statistics
 
 from ... import theory
 from ...timing import costmodel, hardware
+from ..testing import RanksFailed
 
 MEASURE_REL, MEASURE_ABS_S = 0.25, 0.010       # (h): |measured - yours| <= 25 % of yours + 10 ms
 KNOB_LAYERS = 6                                # (g): GPT nano with 6 blocks
@@ -40,6 +41,7 @@ CAPS_MB = (None, 0.1, 0.2, 1.0)                # (g): 1, 2, 4 + 2, 6 blocks a bu
 DEPTHS = (0, 1, 2, 8, -1)                      # (g): ZeRO-3 prefetch depths measured
 LINK = hardware.get_link(gbps=0.1, latency_us=2000)   # (h): 12.5 MB/s, α = 2 ms per ring step
 LINK_NUMEL = 150_000                           # (h): 600 KB of fp32, divisible by 2, 3, 4
+_MEASURED: dict = {}                            # (worker, nproc): rank 0's measured run
 
 
 # --- the reference solutions ------------------------------------------------------------------
@@ -88,16 +90,28 @@ def _call(fn, *args):
         return None, f"raised {type(err).__name__}: {err}"
 
 
-_MEASURED: dict = {}
+class Unmeasured(Exception):
+    """In the judge: worker args[0]'s run is not taken yet (the checker does it, `measure`)."""
 
 
 def _measured(worker, nproc: int, timeout: float):
-    """Rank 0's result of `worker` on nproc gloo ranks, measured once per process (it does not
-    depend on the learner's code: a second check in the same kernel reuses it)."""
-    from .. import testing
+    """Rank 0's result of `worker` on nproc gloo ranks, measured once per process."""
+    from . import sandbox
     if (worker.__name__, nproc) not in _MEASURED:
-        _MEASURED[worker.__name__, nproc] = testing.run_ranks(worker, nproc, timeout=timeout)[0]
+        if sandbox.MARK is not None:        # a child starts no ranks: the checker measures
+            raise Unmeasured(worker.__name__)
+        _MEASURED[worker.__name__, nproc] = sandbox.run_ranks(worker, nproc,
+                                                              timeout=timeout)[0]["result"]
     return _MEASURED[worker.__name__, nproc]
+
+
+def measure(worker: str, nproc: int, timeout: float) -> str:
+    """Take `worker`'s run in the checking process: "" or one line on why it failed."""
+    try:
+        _measured({w.__name__: w for w in (_measure_knobs, _measure_link)}[worker], nproc, timeout)
+        return ""
+    except RanksFailed as err:
+        return f"the measurement failed (not your code): {err.why}"
 
 
 def _sig(name: str, *args) -> str:
@@ -304,7 +318,6 @@ PEAK_MISTAKES = (
 
 
 def _grade_knobs(fns, nproc, timeout):
-    from .. import testing
     buckets, peak = fns["ddp_buckets"], fns["zero3_gathered_peak"]
     for case in _bucket_cases():
         problem = _bucket_problem(buckets, *case)
@@ -312,7 +325,7 @@ def _grade_knobs(fns, nproc, timeout):
             return False, [problem]
     try:
         measured = _measured(_measure_knobs, nproc, timeout)
-    except testing.RanksFailed as err:
+    except RanksFailed as err:
         return False, [f"the measurement failed (not your code): {err.why}"]
     lines = []
     for cap, m in measured["ddp"].items():
@@ -397,7 +410,6 @@ def _measure_link(rank, n, reps=3):
 
 
 def _grade_timing(fns, nproc, timeout):
-    from .. import testing
     fn = fns["ring_time"]
     for op, size, n, link in _time_cases():
         got, err = _call(fn, op, size, n, link)
@@ -417,7 +429,7 @@ def _grade_timing(fns, nproc, timeout):
                            f"bytes/s)" + (f": {why}" if why else "")]
     try:
         measured = _measured(_measure_link, nproc, timeout)
-    except testing.RanksFailed as err:
+    except RanksFailed as err:
         return False, [f"the measurement failed (not your code): {err.why}"]
     lines, bad = [], []
     for op, t in measured.items():

@@ -5,6 +5,7 @@ the learner's functions with it; diagnose.py holds what the findings are reporte
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from .diagnose import Mistake, _same
 
 
 def _file(fn) -> str:
+    fn = inspect.unwrap(fn)                 # sandbox.marked's wrapper: the learner's function
     return getattr(getattr(fn, "__code__", None), "co_filename", "")
 
 

@@ -34,7 +34,8 @@ import torch.nn as nn
 
 from ... import theory
 from ...timing import costmodel, hardware
-from .checker import ATOL, MAX_NORM, STEPS, learner_functions
+from .checker import ATOL, CALL_TIMEOUT, MAX_NORM, STEPS, learner_functions
+from .outcome import failure, unrun
 
 ROWS = 2                                    # rows of the global batch per rank and step
 CAP_MB = 0.03                               # (i): 7,864 fp32 gradients a bucket on GPT nano
@@ -123,6 +124,7 @@ def _correctness(rank, n, name, cls, found):
     from ...sharding import make_optimizer
     job = dict(model="nano", precision="fp32", grad_accum=1, rows_per_micro=ROWS, max_norm=MAX_NORM)
     ref = testing.reference(job, n, STEPS, history=True)
+    dist.barrier()                          # together from here: call_timeout is per call
     model, comm = testing.make_model("nano"), Comm()
     params = [p for p in model.parameters() if p.requires_grad]
     psi = sum(p.numel() for p in params)
@@ -286,20 +288,33 @@ def _timing(rank, n, name, cls):
 
 def track_worker(rank, n, pairs):
     """For each (name, impl): load the learner's class, grade correctness and bytes, then time.
-    Returns [{"findings", "stats", "time"}] in the order of `pairs`."""
+    Returns [{"findings", "stats", "time", "calls"}] in the order of `pairs` (calls: of the
+    class's methods, sandbox.marked)."""
     import torch.distributed as dist
 
-    from . import EXERCISES
+    from . import EXERCISES, sandbox
     out = []
     for name, impl in pairs:
-        ex = EXERCISES[name]
-        cls = learner_functions(ex, impl)[ex.functions[0]]
+        ex, before = EXERCISES[name], sandbox.calls()
+        cls = sandbox.marked(learner_functions(ex, impl))[ex.functions[0]]
         found = []
         stats = _correctness(rank, n, name, cls, found)
         timing = {} if found else _timing(rank, n, name, cls)
-        out.append({"findings": found, "stats": stats, "time": timing})
+        calls = {k: v - before.get(k, 0) for k, v in sandbox.calls().items()}
+        out.append({"findings": found, "stats": stats, "time": timing, "calls": calls})
         dist.barrier()
     return out
+
+
+def _methods(name: str) -> list[str]:
+    """"Class.method" of each method the skeleton's class defines: each must run on every rank."""
+    import inspect
+
+    from . import EXERCISES
+    from .checker import load_impl
+    ex = EXERCISES[name]
+    cls = getattr(load_impl(str(ex.skeleton), f"{name}_skeleton"), ex.functions[0])
+    return [f"{ex.functions[0]}.{k}" for k, v in vars(cls).items() if inspect.isfunction(v)]
 
 
 # --- in the parent ------------------------------------------------------------------------------
@@ -317,6 +332,9 @@ def _lines(name: str, n: int, per_rank: list[dict]) -> tuple[bool, list[str]]:
                 who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
                 lines.append(f"{who}: {f['kind']}: {f['text']}")
         return False, lines
+    missed = unrun(_methods(name), [r["calls"] for r in per_rank])
+    if missed:                              # what did not run was not graded: no PASS
+        return False, missed
     stats, t = per_rank[0]["stats"], max(r["time"]["time"] for r in per_rank)
     ok = [f"every parameter on every rank equals single-process torch AdamW after each of "
           f"{STEPS} steps (GPT nano, fp32, {n} ranks)"]
@@ -352,20 +370,22 @@ def _lines(name: str, n: int, per_rank: list[dict]) -> tuple[bool, list[str]]:
     return True, [*ok, timing]
 
 
-def grade_many(pairs, nproc: int = 3, timeout: float = 120.0) -> list[tuple[bool, list[str]]]:
+def grade_many(pairs, nproc: int = 3, timeout: float = 120.0,
+               call_timeout: float = CALL_TIMEOUT) -> list[tuple[bool, list[str]]]:
     """(ok, lines) for each (name, impl) of the track, graded in ONE group of ranks (impls known
     to load; `checker.run_check` reports load errors and exceptions with the learner's line)."""
-    from .. import testing
-    per_item = testing.run_ranks(track_worker, nproc, list(pairs), timeout=timeout)
+    from . import sandbox
+    per_item = [r["result"] for r in sandbox.run_ranks(track_worker, nproc, list(pairs),
+                                                       timeout=timeout, call_timeout=call_timeout)]
     return [_lines(name, nproc, [r[k] for r in per_item]) for k, (name, _) in enumerate(pairs)]
 
 
-def grade(name: str, functions: dict, impl: str, nproc: int, timeout: float):
-    """(ok, lines) for one track exercise, called by checker.run_check."""
+def grade(name: str, impl: str, nproc: int, timeout: float, call_timeout: float = CALL_TIMEOUT):
+    """(ok, lines) for one track exercise, called by checker.run_check (its judge has loaded
+    the file): failures in one line (`outcome.failure`)."""
     from .. import testing
-    from .checker import _rank_error
     try:
-        (result,) = grade_many([(name, impl)], nproc, timeout)
+        (result,) = grade_many([(name, impl)], nproc, timeout, call_timeout)
     except testing.RanksFailed as err:
-        return False, _rank_error(err, impl)
+        return False, failure(err, impl)[0]
     return result
