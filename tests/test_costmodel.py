@@ -313,3 +313,25 @@ def test_zerolab_refuses_a_bad_mfu_in_one_line(command, bad, capsys):
     assert cli.main([command, "--mfu", bad]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--mfu {float(bad)!r} is not in (0, 1]" in err[0], err
+
+
+def test_zero12_gather_before_forward_moves_the_gathers_under_the_forward():
+    """The same all_gathers (count and bytes); before_forward hides at most the forward's compute
+    (they can only overlap it), after_step hides none of them; with no compute nothing changes."""
+    from zerolab.timing import costmodel as cm, hardware
+    units = [cm.Unit("root", 1e6, 0.002, 0.004)] + [cm.Unit(f"block.{i}", 1e6, 0.01, 0.02)
+                                                     for i in range(4)]
+    link = hardware.get_link(gbps=0.1, latency_us=100)
+    fwd = sum(u.fwd_s for u in units)
+    for stage in (1, 2):
+        after = cm.step_time(stage, units, 2, link, zero12_gather="after_step")
+        before = cm.step_time(stage, units, 2, link, zero12_gather="before_forward")
+        gathers = [[c.size_bytes for c in s.collectives if c.op == "all_gather"]
+                   for s in (after, before)]
+        assert sorted(gathers[0]) == sorted(gathers[1]) and len(gathers[0]) == len(units)
+        assert 0 < after.total - before.total <= fwd + 1e-12
+        idle = [cm.Unit(u.name, u.numel) for u in units]
+        assert cm.step_time(stage, idle, 2, link, zero12_gather="before_forward").total == \
+            pytest.approx(cm.step_time(stage, idle, 2, link).total)
+    with pytest.raises(ValueError, match="zero12_gather"):
+        cm.step_time(1, units, 2, link, zero12_gather="later")

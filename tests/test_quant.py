@@ -231,13 +231,13 @@ def test_options_refuse_in_one_line(argv, says):
 
 
 def test_options_reach_the_strategy_and_the_ranks():
-    from zerolab.run import options
+    from zerolab.run import knobs, options
     args = options.parse("train", ["--stage", "3", "--quantize-weights", "int8", "--quantize-grads",
                                    "int4", "--quant-block", "128"])
     options.check(args, 2)
-    assert options.quantize(args) == quant.Quantize("int8", "int4", 128)
+    assert knobs.quantize(args) == quant.Quantize("int8", "int4", 128)
     argv = options.rank_argv(args)
     assert argv[argv.index("--quantize-grads") + 1] == "int4" and "--quant-block" in argv
     with pytest.raises(ValueError, match="invalid choice: 'int2'"):
         options.parse("train", ["--quantize-grads", "int2"])
-    assert options.quantize(argparse.Namespace(stages="3")) is None
+    assert knobs.quantize(argparse.Namespace(stages="3")) is None

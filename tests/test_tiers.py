@@ -15,8 +15,9 @@ import torch
 from conftest import run_ranks
 
 from zerolab import cli
-from zerolab.comm import Comm, hierarchical_all_reduce, node_comms
-from zerolab.run import options
+from zerolab.comm import Comm
+from zerolab.tiers import hierarchical_all_reduce, node_comms
+from zerolab.run import knobs, options
 from zerolab.timing import costmodel as cm
 from zerolab.timing import hardware as hw
 from zerolab.timing import linkemu, tiercheck
@@ -201,9 +202,9 @@ def test_the_tiers_reach_the_ranks():
     argv = options.rank_argv(args, backend="gloo", device="cpu")
     ranks = options.parse("ranks", argv)
     assert (ranks.ranks_per_node, ranks.intra, ranks.inter) == (2, "1@20", "0.1@200")
-    emu = linkemu.emulator(ranks.link_gbps, ranks.link_latency_us, 4, options.tiers(ranks, 4))
+    emu = linkemu.emulator(ranks.link_gbps, ranks.link_latency_us, 4, knobs.tiers(ranks, 4))
     assert isinstance(emu, linkemu.TieredLinkEmulator) and emu.topology.inter.latency == pytest.approx(2e-4)
-    assert options.tiers(options.parse("ranks", []), 4) is None
+    assert knobs.tiers(options.parse("ranks", []), 4) is None
 
 
 # --- the emulator on 4 gloo ranks, 2 nodes x 2 ---------------------------------------------------
@@ -214,7 +215,9 @@ def _ranks(rank, world_size):
     x = torch.arange(8, dtype=torch.float32) * (rank + 1)
     hierarchical_all_reduce(x, near, far, what="grads")
     assert torch.equal(x, torch.arange(8, dtype=torch.float32) * 10), x
-    ledger = [(r.op, r.group_size) for c in (near, far) for r in c.records]
+    # one ledger: the sub-groups' records go into the world's, tagged with their tier
+    ledger = [(r.op, r.group_size, r.tier) for r in world.records]
+    assert near.records is world.records and far.records is world.records
     # the emulator: each collective on the tiers its group crosses
     emu = linkemu.TieredLinkEmulator(hw.get_topology(2, "1@20", "0.1@200", world_size), world_size)
     world.link = near.link = far.link = emu
@@ -227,7 +230,8 @@ def _ranks(rank, world_size):
 @pytest.mark.timeout(120)
 def test_the_emulator_matches_the_two_tier_model():
     out = run_ranks(_ranks, 4, timeout=110)
-    assert out[0][0] == [("reduce_scatter", 2), ("all_gather", 2), ("all_reduce", 2)]
+    assert out[0][0] == [("reduce_scatter", 2, "intra"), ("all_reduce", 2, "inter"),
+                         ("all_gather", 2, "intra")]
     assert [o[1] for o in out] == [(0, 1), (0, 1), (2, 3), (2, 3)]          # node groups
     assert [o[2] for o in out] == [(0, 2), (1, 3), (0, 2), (1, 3)]          # across nodes
     assert out[0][3] == ["inter", "intra", "inter"]                        # world, node, across

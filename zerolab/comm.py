@@ -8,9 +8,9 @@ measured traffic that the labs put next to `theory.traffic_bytes`.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 2 --preset tiny --steps 3
 
-Two tiers: `node_comms(k)` gives a rank a Comm over its node of k ranks and one across nodes;
-`hierarchical_all_reduce` is reduce_scatter inside, all_reduce of the 1/k chunk across, all_gather
-inside - the steps hybrid sharding (HSDP) is made of, hence here with the strategies' collectives.
+Sub-groups (`zerolab.tiers`: a node's ranks, the ranks across nodes) have Comms of their own that
+write into their parent's ledger, each record tagged with the tier it stays on, so one ledger per
+rank holds every collective of a step.
 
 Conventions (nccl-tests PERFORMANCE.md): S is the full, unsharded array in bytes; a rank moves
 2(n-1)/n·S for all_reduce, (n-1)/n·S for reduce_scatter and all_gather, S for broadcast; algbw =
@@ -86,6 +86,7 @@ class Record:
     seq: int = 0          # order of issue on this rank
     time_source: str = ""          # a key of TIME_SOURCES, set when settled
     issue_to_done_s: float = float("nan")   # gloo: issue -> completion on the host (queue included)
+    tier: str = ""        # "" the Comm's whole group; "intra" / "inter" a sub-group's (zerolab.tiers)
 
     @property
     def algbw(self) -> float:
@@ -201,8 +202,8 @@ class Comm:
         self.ranks = (tuple(dist.get_process_group_ranks(group)) if group is not None
                       else tuple(range(self.world_size)))
         self.records: list[Record] = []
-        self.step = 0
-        self.current_phase = "setup"
+        self.root, self.tier, self.children = self, "", []   # a sub-group's: zerolab.tiers
+        self._step, self._phase = 0, "setup"
         self.backend = dist.get_backend(group)
         self._pending: list[Handle] = []        # issued, duration not read yet (issue order)
         self._gloo_free: list[float] = []       # gloo: the latest completions settled so far
@@ -215,6 +216,12 @@ class Comm:
         except Exception:  # noqa: BLE001 - not gloo, or an older torch: gloo's default
             self.gloo_threads = 2
         self.link = None        # a linkemu.LinkEmulator: collectives end no sooner than its model
+
+    # step and phase live at the root Comm: a sub-group's collectives carry its parent's
+    step = property(lambda self: self.root._step,
+                    lambda self, v: setattr(self.root, "_step", v))
+    current_phase = property(lambda self: self.root._phase,
+                             lambda self, v: setattr(self.root, "_phase", v))
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -291,7 +298,7 @@ class Comm:
         record = Record(step=self.step, phase=self.current_phase, op=op, what=what, unit=unit,
                         dtype=str(full.dtype), numel=full.numel(), group_size=n,
                         size_bytes=size, bytes=size * theory.RING_FACTOR[op](n),
-                        seq=len(self.records))
+                        seq=len(self.records), tier=self.tier)
         self.records.append(record)
         handle = Handle(work=None, record=record, started=time.perf_counter(), comm=self,
                         cuda=full.is_cuda, post=post)
@@ -328,8 +335,10 @@ class Comm:
         block=True (once per step, and before the ledger is read): on CUDA one
         `torch.cuda.synchronize()`, on gloo a wait for ops nobody waited for; then every pending
         record gets its duration. block=False: settle only those already complete, without
-        waiting (what `Handle.wait` does).
+        waiting (what `Handle.wait` does). A sub-group's Comms (`children`) are settled too.
         """
+        for child in self.children:
+            child.settle(block)
         if block and self._pending:
             if any(h.cuda for h in self._pending):
                 torch.cuda.synchronize()
@@ -391,56 +400,3 @@ class Comm:
         return [{**asdict(r), "algbw": r.algbw, "busbw": r.busbw} for r in self.records]
 
 
-# --- two tiers: the ranks of a node, and the ranks across nodes ----------------------------------
-def node_comms(ranks_per_node: int, parent: Comm | None = None) -> tuple[Comm, Comm]:
-    """This rank's two sub-group Comms when the world is split into nodes of `ranks_per_node`
-    consecutive ranks (node = rank // k): `intra`, the k ranks of its node, and `inter`, the ranks
-    with its local index (rank % k) on every node, one per node.
-
-    Every rank must call it (creating a process group is collective). parent: the world's Comm,
-    whose emulated `link` both share (one set of per-tier clocks). ValueError unless k >= 1
-    divides the world size.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    k = ranks_per_node
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or world % k:
-        raise ValueError(f"ranks_per_node {k!r} must be an integer >= 1 that divides the world "
-                         f"size {world}")
-    intra = inter = None
-    for node in range(world // k):                  # every rank creates every group, in order
-        group = dist.new_group(list(range(node * k, (node + 1) * k)))
-        if rank // k == node:
-            intra = Comm(group)
-    for local in range(k):
-        group = dist.new_group(list(range(local, world, k)))
-        if rank % k == local:
-            inter = Comm(group)
-    if parent is not None:
-        intra.link = inter.link = parent.link
-    return intra, inter
-
-
-def hierarchical_all_reduce(tensor: torch.Tensor, intra: Comm, inter: Comm, *, what: str,
-                            unit: str = "") -> list[Handle]:
-    """Sum `tensor` [S] over every rank of every node, in place, in three collectives that each
-    stay on one tier (`node_comms` gives `intra` and `inter`; k = intra.world_size):
-
-        reduce_scatter over the node    G{U} [S]  ->  G[S/k], summed over the node's k ranks
-        all_reduce across nodes         G[S/k]    ->  G[S/k], summed over every node
-        all_gather over the node        G[S/k]    ->  G[S]
-
-    The k chunks cross nodes in parallel, one per local rank, so the slow tier carries S/k per
-    rank instead of S (costmodel.hierarchical_all_reduce times it). Each collective is recorded
-    in its own Comm's ledger. Returns their three Handles, waited for. ValueError unless `tensor`
-    is contiguous and k divides its numel (pad first, as the strategies' flat buffers are).
-    """
-    k = intra.world_size
-    if not tensor.is_contiguous() or tensor.numel() % k:
-        raise ValueError(f"hierarchical_all_reduce needs a contiguous tensor whose {tensor.numel()} "
-                         f"elements the node's {k} ranks divide")
-    flat = tensor.view(-1)                                                  # [S]
-    chunk = flat.narrow(0, intra.rank * (flat.numel() // k), flat.numel() // k)   # [S/k], own
-    rs = intra.reduce_scatter(chunk, flat, what=what, unit=unit)    # chunk: summed over the node
-    ar = inter.all_reduce(chunk, what=what, unit=unit)              # chunk: summed over all nodes
-    ag = intra.all_gather(flat, chunk, what=what, unit=unit)        # in place, as ZeRO-1/2 gather
-    return [rs, ar, ag]

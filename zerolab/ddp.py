@@ -19,10 +19,10 @@ import torch
 
 from .guards import (adopt_edits, check_edits, check_step, claim_grads, fingerprint,
                      sync_module_states)
-from .optim import make_flat_optimizer
-from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
-                       check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
-                       optimizer_states, set_adam_state, write_back)
+from .optim import (adam_state, clip_grad_norm_, make_flat_optimizer, optimizer_states,
+                    set_adam_state)
+from .sharding import (GradReady, bucket_numel, build_units, check_all_used, check_trainable,
+                       fp32_grads, global_used, grad_copies, write_back)
 
 
 def all_reduce_bucket(comm, unit, world_size: int):

@@ -87,7 +87,7 @@ class FlatAdamW(torch.optim.AdamW):
         self.seed, self.rank = rounding_seed, rank      # stochastic rounding's stream
 
     def master_buffers(self, masters) -> list[torch.Tensor]:
-        """What the memory meter counts as "master_weights" (`sharding.optimizer_states`): the
+        """What the memory meter counts as "master_weights" (`optimizer_states`): the
         masters; none when the bf16 weights are the master (they are counted as "params"), but
         the Kahan compensation buffers (bf16, shaped like the master) when there are any."""
         if self.states != "bf16-master":
@@ -270,3 +270,51 @@ def check_elementwise(optimizer_class, elementwise=None):
             "new value reads only that element's weight, gradient and state); pass "
             "elementwise=True if it is, or use one of "
             + ", ".join(c.__name__ for c in ELEMENTWISE))
+
+
+# --- the clipping norm, and one unit's AdamW state out and in (zerolab.run.checkpoint) -------
+def clip_grad_norm_(masters: list[torch.Tensor], max_norm: float, comm=None) -> torch.Tensor:
+    """Global L2 norm of the gradients in `masters[i].grad` (fp32), summed over ranks when they
+    hold disjoint shards (`comm` given: one all_reduce of a scalar), then scaled like
+    torch.nn.utils.clip_grad_norm_ (coef = max_norm / (norm + 1e-6), capped at 1). max_norm <= 0
+    only measures. Returns the norm (fp32 scalar tensor), equal on every rank."""
+    sq = torch.zeros((), dtype=torch.float32, device=masters[0].device)
+    for m in masters:               # no [Ψ_u] temporary: vector_norm reduces in place
+        sq += torch.linalg.vector_norm(m.grad, dtype=torch.float32).square()
+    if comm is not None:
+        comm.all_reduce(sq, what="metric", unit="grad_norm")
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for m in masters:
+            m.grad.mul_(coef)
+    return norm
+
+
+def optimizer_states(optimizer, masters) -> dict[str, list[torch.Tensor]]:
+    """{"master_weights", "exp_avg", "exp_avg_sq"} tensors of `optimizer` (empty before step 1)."""
+    state = [optimizer.state.get(m, {}) for m in masters] if optimizer is not None else []
+    return {"master_weights": getattr(optimizer, "master_buffers", list)(masters),   # optim's ladder
+            "exp_avg": [s["exp_avg"] for s in state if "exp_avg" in s],
+            "exp_avg_sq": [s["exp_avg_sq"] for s in state if "exp_avg_sq" in s]}
+
+
+def adam_state(optimizer, master: torch.Tensor, own=None) -> dict[str, torch.Tensor]:
+    """{"master", "exp_avg", "exp_avg_sq"} of the fp32 tensor `master` (views, fp32), each
+    through `own` (e.g. FlatUnit.own, when `master` is a full replica); zeros before step 1."""
+    own = own or (lambda t: t)
+    state = optimizer.state.get(master, {})
+    zeros = torch.zeros_like(master)
+    return {"master": own(master), "exp_avg": own(state.get("exp_avg", zeros)),
+            "exp_avg_sq": own(state.get("exp_avg_sq", zeros))}
+
+
+def set_adam_state(optimizer, master: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, step: int):
+    """Give torch's AdamW the state of `master` after `step` updates, laid out as AdamW itself
+    stores it (an fp32 scalar "step", moments shaped like `master`). step 0: no state."""
+    optimizer.state.pop(master, None)
+    if step > 0:
+        optimizer.state[master] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                   "exp_avg": exp_avg.to(master).clone(),
+                                   "exp_avg_sq": exp_avg_sq.to(master).clone()}

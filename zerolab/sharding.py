@@ -365,24 +365,6 @@ def make_optimizer(params: list[torch.Tensor], lr=3e-4, betas=(0.9, 0.95), eps=1
                              weight_decay=weight_decay)
 
 
-def clip_grad_norm_(masters: list[torch.Tensor], max_norm: float, comm=None) -> torch.Tensor:
-    """Global L2 norm of the gradients in `masters[i].grad` (fp32), summed over ranks when they
-    hold disjoint shards (`comm` given: one all_reduce of a scalar), then scaled like
-    torch.nn.utils.clip_grad_norm_ (coef = max_norm / (norm + 1e-6), capped at 1). max_norm <= 0
-    only measures. Returns the norm (fp32 scalar tensor), equal on every rank."""
-    sq = torch.zeros((), dtype=torch.float32, device=masters[0].device)
-    for m in masters:               # no [Ψ_u] temporary: vector_norm reduces in place
-        sq += torch.linalg.vector_norm(m.grad, dtype=torch.float32).square()
-    if comm is not None:
-        comm.all_reduce(sq, what="metric", unit="grad_norm")
-    norm = sq.sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for m in masters:
-            m.grad.mul_(coef)
-    return norm
-
-
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (views counted once; freed ones are 0)."""
     seen, total = set(), 0
@@ -395,14 +377,6 @@ def storage_bytes(tensors) -> int:
             seen.add(key)
             total += s.nbytes()
     return total
-
-
-def optimizer_states(optimizer, masters) -> dict[str, list[torch.Tensor]]:
-    """{"master_weights", "exp_avg", "exp_avg_sq"} tensors of `optimizer` (empty before step 1)."""
-    state = [optimizer.state.get(m, {}) for m in masters] if optimizer is not None else []
-    return {"master_weights": getattr(optimizer, "master_buffers", list)(masters),   # optim's ladder
-            "exp_avg": [s["exp_avg"] for s in state if "exp_avg" in s],
-            "exp_avg_sq": [s["exp_avg_sq"] for s in state if "exp_avg_sq" in s]}
 
 
 def write_back(strategy, modifier_rank: int, sharded: bool):
@@ -427,23 +401,25 @@ def keep_own_range(strategy, sharded: bool):
             u.param_shard.copy_(own)
 
 
-# --- checkpoints: one unit's AdamW state out and in (zerolab.run.checkpoint) ---------------------
-def adam_state(optimizer, master: torch.Tensor, own=None) -> dict[str, torch.Tensor]:
-    """{"master", "exp_avg", "exp_avg_sq"} of the fp32 tensor `master` (views, fp32), each
-    through `own` (e.g. FlatUnit.own, when `master` is a full replica); zeros before step 1."""
-    own = own or (lambda t: t)
-    state = optimizer.state.get(master, {})
-    zeros = torch.zeros_like(master)
-    return {"master": own(master), "exp_avg": own(state.get("exp_avg", zeros)),
-            "exp_avg_sq": own(state.get("exp_avg_sq", zeros))}
-
-
-def set_adam_state(optimizer, master: torch.Tensor, exp_avg: torch.Tensor,
-                   exp_avg_sq: torch.Tensor, step: int):
-    """Give torch's AdamW the state of `master` after `step` updates, laid out as AdamW itself
-    stores it (an fp32 scalar "step", moments shaped like `master`). step 0: no state."""
-    optimizer.state.pop(master, None)
-    if step > 0:
-        optimizer.state[master] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                   "exp_avg": exp_avg.to(master).clone(),
-                                   "exp_avg_sq": exp_avg_sq.to(master).clone()}
+# --- ZeRO-3's unit: shards resident, full weights only while gathered (zerolab.zero3) ---------
+def shard_unit(u, grad_dtype=None, param_dtype=None, own_step=True, why=""):
+    """Set up one unit's ZeRO-3 state, then make its parameters placeholders: param_shard
+    [Ψ_u/N] (param_dtype, default the params'), grad_shard (grad_dtype), master (fp32; with
+    own_step=False the params' dtype, aliased by param_shard and grad_shard when dtypes agree).
+    why: what a read of the placeholder parameters says (zero3.SHARDED)."""
+    full = u.flatten()                                          # [Ψ_u] the params' dtype
+    u.param_flat = full.to(param_dtype) if param_dtype else full    # [Ψ_u] bf16, transient
+    if own_step:
+        u.param_shard = u.own(u.param_flat).clone()             # [Ψ_u/N] bf16, resident
+        u.master = u.param_shard.float().clone()                # [Ψ_u/N] fp32 master shard
+    else:
+        u.master = u.own(full).clone()                          # [Ψ_u/N] the loop's shard
+        same = u.master.dtype == u.param_flat.dtype
+        u.param_shard = u.master if same else u.master.to(u.param_flat.dtype)   # freed below
+    u.grad_shard = torch.zeros_like(u.param_shard, dtype=grad_dtype)   # [Ψ_u/N] bf16
+    if not own_step:                        # the loop's p.grad: views of grad_shard, or fp32
+        u.grad_master = u.grad_shard if u.grad_shard.dtype == u.master.dtype else None
+    u.unbind_params(why)
+    free_storage(u.param_flat)
+    if not own_step and u.param_shard is not u.master:
+        free_storage(u.param_shard)         # a cast copy only while gathering (ZeRO3._refresh)

@@ -24,12 +24,12 @@ import torch
 from .guards import (ShardedGrad, agree, check_edits, check_step, claim_grads,
                      claim_loop_grads, claim_shard_grads, fingerprint, hand_grads,
                      is_placeholder, shard_grads, sync_module_states, take_replaced)
-from .optim import make_flat_optimizer
+from .optim import (adam_state, clip_grad_norm_, make_flat_optimizer, optimizer_states,
+                    set_adam_state)
 from .quant import quantized_comm
-from .sharding import (GradReady, adam_state, alloc_storage, build_units, check_all_used,
-                       check_trainable, clip_grad_norm_, fp32_grads, free_storage, global_used,
-                       grad_copies, keep_own_range, on_post_backward, on_pre_backward,
-                       optimizer_states, set_adam_state, write_back)
+from .sharding import (GradReady, alloc_storage, build_units, check_all_used, check_trainable,
+                       fp32_grads, free_storage, global_used, grad_copies, keep_own_range,
+                       on_post_backward, on_pre_backward, shard_unit, write_back)
 
 SHARDED = ("ZeRO-3 holds only this rank's shard of the weights outside forward/backward: read "
            "or change them inside `with strategy.gathered():` (modifier_rank=r to keep changes)")
@@ -57,27 +57,6 @@ def free_params(unit):
 # is the knee: almost all of the time for one block more. FSDP2 and DeepSpeed prefetch too.
 DEFAULT_PREFETCH = 1
 
-
-def shard_unit(u, grad_dtype=None, param_dtype=None, own_step=True):
-    """Set up one unit's ZeRO-3 state, then make its parameters placeholders: param_shard
-    [Ψ_u/N] (param_dtype, default the params'), grad_shard (grad_dtype), master (fp32; with
-    own_step=False the params' dtype, aliased by param_shard and grad_shard when dtypes agree)."""
-    full = u.flatten()                                          # [Ψ_u] the params' dtype
-    u.param_flat = full.to(param_dtype) if param_dtype else full    # [Ψ_u] bf16, transient
-    if own_step:
-        u.param_shard = u.own(u.param_flat).clone()             # [Ψ_u/N] bf16, resident
-        u.master = u.param_shard.float().clone()                # [Ψ_u/N] fp32 master shard
-    else:
-        u.master = u.own(full).clone()                          # [Ψ_u/N] the loop's shard
-        same = u.master.dtype == u.param_flat.dtype
-        u.param_shard = u.master if same else u.master.to(u.param_flat.dtype)   # freed below
-    u.grad_shard = torch.zeros_like(u.param_shard, dtype=grad_dtype)   # [Ψ_u/N] bf16
-    if not own_step:                        # the loop's p.grad: views of grad_shard, or fp32
-        u.grad_master = u.grad_shard if u.grad_shard.dtype == u.master.dtype else None
-    u.unbind_params(SHARDED)
-    free_storage(u.param_flat)
-    if not own_step and u.param_shard is not u.master:
-        free_storage(u.param_shard)         # a cast copy only while gathering (ZeRO3._refresh)
 
 
 class ZeRO3:
@@ -119,7 +98,7 @@ class ZeRO3:
             sync_module_states(model, comm)             # rank 0's weights, as FSDP does
             units = build_units(model, comm.world_size, comm.rank, blocks=blocks, layout=layout)
             for u in units:
-                shard_unit(u, grad_dtype, param_dtype, own_step)
+                shard_unit(u, grad_dtype, param_dtype, own_step, SHARDED)
         self.units = units
         for u in self.units:
             u.gathered, u.pending, u.bw_gathered = False, 0, False
@@ -137,12 +116,11 @@ class ZeRO3:
                                  m.register_load_state_dict_pre_hook(
                                      lambda *_: self._check_gathered(0, 0, False, "load_"))]
         self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw) if own_step else None
-        self.inflight = []
         self.root = [u for u in self.units if u.module is None]
         self.blocks = [u for u in self.units if u.module is not None]     # forward order
-        self.prefetched = {}                # unit name -> all_gather issued ahead of use
-        self.next_block = 0                 # forward: blocks before this one were gathered
-        self.agreed = 0                     # ledger records already compared between ranks
+        # reduce_scatters in flight; unit name -> all_gather issued ahead of use; forward: the
+        # blocks before next_block were gathered; ledger records already compared between ranks
+        self.inflight, self.prefetched, self.next_block, self.agreed = [], {}, 0, 0
         self.ready = GradReady(self.units, self._grads_ready)
 
     def _gather(self, u):
@@ -151,9 +129,7 @@ class ZeRO3:
         if u.name in self.prefetched:       # issued earlier: just wait for it
             self.prefetched.pop(u.name).wait()
         else:
-            self._check_untouched(u)
-            self._refresh(u)
-            gather_params(self.comm, u)
+            self._start_gather(u)
         u.bind_params(u.param_flat)
         self._refresh(u, keep=False)        # (own_step=False: the cast copy is not needed now)
         u.gathered = True
@@ -163,11 +139,16 @@ class ZeRO3:
             k, depth = order.index(u), int(self.prefetch)
             for nxt in order[k + 1:] if depth < 0 else order[k + 1:k + 1 + depth]:
                 if nxt.name not in self.prefetched and not nxt.gathered:
-                    self._check_untouched(nxt)
-                    self._refresh(nxt)
-                    alloc_storage(nxt.param_flat)
-                    self.prefetched[nxt.name] = self.comm.all_gather(
-                        nxt.param_flat, nxt.param_shard, what="params", unit=nxt.name, async_op=True)
+                    self.prefetched[nxt.name] = self._start_gather(nxt, async_op=True)
+
+    def _start_gather(self, u, async_op=False):
+        self._check_untouched(u)            # `gather_params` waited for at once, or in flight:
+        self._refresh(u)
+        if not async_op:
+            return gather_params(self.comm, u)
+        alloc_storage(u.param_flat)
+        return self.comm.all_gather(u.param_flat, u.param_shard, what="params", unit=u.name,
+                                    async_op=True)
 
     def _refresh(self, u, keep=True):
         # own_step=False: gather the loop's master shard in param_dtype (a transient cast copy)
@@ -338,13 +319,16 @@ class ZeRO3:
                                           async_op=True)
 
         def done(u=u, out=out):
-            u.grad_shard.add_(out.div_(self.n))                # accumulate the averaged shard
+            self._reduced(u, out)                              # accumulate the averaged shard
             u.bucket = u.grad_views = u.rs_out = u.packed_grad = None   # free the buckets
             for p in u.params:
                 p.grad = None
         handle.on_done = done
         self.inflight.append(handle)
         self._sample(f"reduce_scatter {u.name}")
+
+    def _reduced(self, u, out):
+        u.grad_shard.add_(out.div_(self.n))     # (zerolab.hybrid's HSDP: across nodes first)
 
     # --- step: update the owned range; nothing to gather, nobody keeps full weights -----------
     def step(self) -> torch.Tensor:

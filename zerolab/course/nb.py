@@ -55,6 +55,7 @@ def launch(*, stages="0", nproc=2, preset="nano", steps=3, out="runs/nb", backen
     if reference.active():              # a class whose launch failed: the committed CPU run
         r0 = load_run(reference.restore(out))
         first = r0[min(r0)][0]
+        echo = echo or (lambda _: None)     # echo=None: say nothing, as a launch does
         echo(f"reference results ({first['world_size']} {first['backend']} ranks, preset "
              f"{first.get('preset', '?')}, the reference CPU machine): no ranks launched")
         return r0

@@ -116,7 +116,7 @@ def _run_worker(rank, n, configs: dict, steps: int, out: str):
     """On each rank: every configuration, `steps` steps of run_stage (ZeRO-3, tiny)."""
     from ..comm import Comm
     from ..data import load_tokens
-    from ..run import options
+    from ..run import knobs, options
     from ..run.stage import run_stage
     comm, results = Comm(), {}
     for name, flags in configs.items():
@@ -127,7 +127,7 @@ def _run_worker(rank, n, configs: dict, steps: int, out: str):
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
         with contextlib.redirect_stdout(io.StringIO()):
             r = run_stage(3, args, comm, torch.device("cpu"), train_tokens, val_tokens)
-        spec = options.quantize(args) or quant.Quantize()
+        spec = knobs.quantize(args) or quant.Quantize()
         shards = [u["shard_numel"] for u in r["units"]]
         formula = theory.quantized_traffic_bytes(shards, n, spec.weights, spec.grads, spec.block,
                                                  grad_dtype=args.grad_dtype)

@@ -332,3 +332,46 @@ def time_by_stage(rows: list[dict]):
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
     fig.tight_layout()
     return fig
+
+
+TIER_HATCH = {"world": "", "intra": "..", "inter": "//"}     # the group a collective ran on
+
+
+def tiers_sweep(rows: list[dict]):
+    """Lab 8: left, per variant the measured median step time (bar, min-max whisker) next to the
+    cost model's (black tick: with overlap; open circle: without); right, the ledger's bytes per
+    rank per step, coloured by collective and hatched by the group they ran on (world: a ring
+    through every node; intra: inside a node; inter: one rank per node), the formula's total as
+    a black outline.
+    rows: `zerolab.course.tiersweep.table`."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    x = list(range(len(rows)))
+    med = [r["median_s"] * 1e3 for r in rows]
+    err = [[m - r["min_s"] * 1e3 for m, r in zip(med, rows)],
+           [r["max_s"] * 1e3 - m for m, r in zip(med, rows)]]
+    ax.bar(x, med, 0.6, yerr=err, color="C0", alpha=0.7, capsize=3, label="measured (median, min-max)")
+    ax.plot(x, [r["model_s"] * 1e3 for r in rows], "_", color="k", ms=22, mew=2,
+            label="model, with overlap")
+    ax.plot(x, [r["serial_s"] * 1e3 for r in rows], "o", mfc="none", color="k",
+            label="model, no overlap")
+    ax.set_xticks(x, [r["name"] for r in rows], fontsize=9)
+    ax.set(ylabel="step time (ms)", title="step time on two emulated tiers")
+    ax.set_ylim(0, max(max(r["max_s"], r["serial_s"]) for r in rows) * 1e3 * 1.1)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+    for i, r in enumerate(rows):
+        bottom = 0.0
+        for tier, hatch in TIER_HATCH.items():
+            for op, b in r["bytes_by_op"].get(tier, {}).items():
+                ax2.bar(i, b / 1e3, 0.6, bottom=bottom, color=COLLECTIVE_COLORS[op],
+                        edgecolor="white", hatch=hatch,
+                        label=op if not has_label(ax2, op) else None)
+                bottom += b / 1e3
+        ax2.bar(i, sum(r["bytes_formula"].values()) / 1e3, 0.6, fill=False, edgecolor="k", lw=1.5,
+                label="formula" if not has_label(ax2, "formula") else None)
+    for tier, hatch in TIER_HATCH.items():              # the hatches' key: which group
+        ax2.bar(0, 0, color="white", edgecolor="#444444", hatch=hatch, label=f"on {tier}")
+    ax2.set_xticks(x, [r["name"] for r in rows], fontsize=9)
+    ax2.set(ylabel="KB per rank per step", title="bytes by op (colour) and group (hatch)")
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)
+    fig.tight_layout()
+    return fig

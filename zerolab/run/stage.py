@@ -28,14 +28,15 @@ import torch
 
 from .. import STRATEGIES, theory
 from ..data import get_batch, rank_slice
-from ..hooks import DEFAULT_GATHER
+from ..hybrid import make_hybrid
 from ..memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memory_history,
                       transient_peak)
 from ..model import GPT, num_params
 from ..timing import trace
 from . import checkpoint
 from .folders import atomic_json, atomic_path
-from .options import DTYPES, model_config, optimizer_ladder, quantize, zero3_prefetch_depth
+from . import knobs
+from .options import DTYPES, model_config
 from .result import stage_result
 
 
@@ -101,25 +102,12 @@ def before_stage(device) -> dict:
 
 # --- 1. build ---------------------------------------------------------------------------------
 def make_strategy(stage, model, comm, args, meter):
-    """STRATEGIES[stage] around `model` with the options' knobs."""
-    kwargs = dict(max_grad_norm=args.max_grad_norm, meter=meter, lr=args.lr,
-                  weight_decay=args.weight_decay,
-                  find_unused_parameters=getattr(args, "find_unused_parameters", False),
-                  grad_dtype=DTYPES[args.grad_dtype] if getattr(args, "grad_dtype", None) else None)
-    ladder = optimizer_ladder(args)         # FlatAdamW's state dtypes (zerolab.optim)
-    if ladder["states"] != "fp32":
-        kwargs.update(optimizer_states=ladder["states"], master_rounding=ladder["rounding"],
-                      rounding_seed=args.seed)
-    if stage in (0, 1, 2):
-        kwargs["bucket_mb"] = getattr(args, "bucket_mb", None)
-    if stage == 1:
-        kwargs["grad_op"] = args.zero1_grad_op
-    if stage in (1, 2):
-        kwargs["gather"] = getattr(args, "zero12_gather", None) or DEFAULT_GATHER
-    if stage == 3:
-        kwargs["prefetch"] = zero3_prefetch_depth(args)
-        kwargs["keep_root"] = getattr(args, "zero3_keep_root", False)
-        kwargs["quantize"] = quantize(args)     # ZeRO++ qwZ / qgZ (zerolab.quant), or None
+    """STRATEGIES[stage] around `model` with the options' knobs (`knobs.strategy_kwargs`), or
+    --hybrid's HSDP / HpZ (zerolab.hybrid: ZeRO-3 by node)."""
+    kwargs = knobs.strategy_kwargs(stage, args, meter)
+    hybrid = knobs.hybrid(args, comm.world_size) if stage == 3 else None
+    if hybrid is not None:
+        return make_hybrid(hybrid[0], model, comm, ranks_per_node=hybrid[1], **kwargs)
     return STRATEGIES[stage](model, comm, **kwargs)
 
 
@@ -292,7 +280,9 @@ def finish(st: Stage, val_tokens):
             lambda: checkpoint.gather_state_dict(st.strategy, st.model, comm), st.device, held)
         if comm.rank == 0:
             with atomic_path(Path(args.out) / f"stage{st.stage}" / "params.pt") as tmp:
-                torch.save(params, tmp)     # a plain state dict; its sha256 goes in rank0.json
+                with open(tmp, "wb") as f:  # a plain state dict; its sha256 goes in rank0.json
+                    torch.save(params, f)   # (through a file object: the archive's name inside
+                                            # is "archive", not the temp file's, so the bytes repeat)
                 st.params_sha256 = hashlib.sha256(tmp.read_bytes()).hexdigest()
         del params              # for comparison: gathering the whole training state to save it
         _, full_peak = transient_peak(lambda: {k: checkpoint.gather_flat(st.strategy, comm, k)

@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from ..data import load_tokens
 from ..timing import linkemu
-from . import options
+from . import ckptio, knobs, options
 from .folders import atomic_json, begin_run
 from .launch import RANK_ERROR, resolve
 from .rank import check_device, free_port, port_is_free, rank_entry, setup
+from .resources import describe
 from .result import compare_rows, format_rows
 from .stage import NonFinite, run_stage
 
@@ -65,6 +66,15 @@ def agree_on_run(args, world_size: int, comm, device) -> str:
     return text[1:]
 
 
+def ran_out(err: BaseException, args, rank: int) -> str | None:
+    """The one line for a rank that ran out of something (disk, memory, open files, processes,
+    ports): what, on which rank, what the run keeps, what to do; None for any other error."""
+    why = describe(err)
+    if why is None:
+        return None
+    return f"{why[0]} on rank {rank}: {ckptio.kept_in(args.out)}; {why[1]}"
+
+
 def main(argv=None) -> int:
     args = options.parser("ranks").parse_args(argv)
     given = options.given_options(options.parser("ranks"), argv)
@@ -93,15 +103,21 @@ def main(argv=None) -> int:
         check_device(args)
         train_tokens, val_tokens = load_tokens(args.data, cfg.block_size)
         link = linkemu.emulator(args.link_gbps, args.link_latency_us, world_size,
-                                options.tiers(args, world_size))
+                                knobs.tiers(args, world_size))
         options.check_backend(args, args.backend)
     except ValueError as err:
         if int(os.environ["RANK"]) == 0:
             print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:                # noqa: BLE001 - running out: one line, any rank
+        line = ran_out(err, args, int(os.environ["RANK"]))
+        if line is None:
+            raise
+        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+        return 4
     comm, device = setup(args)
     comm.link = link
-    status = "failed"
+    status, reason = "failed", None
     try:
         args.run_id = agree_on_run(args, world_size, comm, device)
         results = []
@@ -120,12 +136,19 @@ def main(argv=None) -> int:
                       flush=True)
         status = "ok"
     except (ValueError, NonFinite) as err:
+        reason = str(err)
         if comm.rank == 0:                  # every rank raised the same one-line error
             print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2 if isinstance(err, ValueError) else 3
+    except Exception as err:                # noqa: BLE001 - running out: one line, this rank's
+        reason = ran_out(err, args, comm.rank)
+        if reason is None:
+            raise
+        print(f"{PROG}: error: {reason}", file=sys.stderr, flush=True)
+        return 4
     finally:
         if getattr(args, "_run", None) is not None:
-            args._run.finish(status)
+            args._run.finish(status, **({"reason": reason} if reason else {}))
         dist.destroy_process_group()
     return 0
 

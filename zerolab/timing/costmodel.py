@@ -165,9 +165,11 @@ class _Replay:
         self.t += seconds
         self.out.compute += seconds
 
-    def issue(self, op, size_bytes, unit) -> float:
-        parts = legs(op, size_bytes, self.n, self.link, self.algorithm, self.hierarchical)
-        start, end = self.clocks.place(parts, self.t)
+    def issue(self, op, size_bytes, unit, group=None, at=None) -> float:
+        # group: the global ranks of a sub-group (zerolab.tiers; None: all n); at: issue time
+        parts = (legs(op, size_bytes, self.n, self.link, self.algorithm, self.hierarchical)
+                 if group is None else [flat_leg(op, size_bytes, group, self.link, self.algorithm)])
+        start, end = self.clocks.place(parts, self.t if at is None else at)
         tier = "+".join(t for t in ("link", *TIERS) if any(p.tier == t for p in parts))
         self.out.collectives.append(Collective(op, unit, self.phase, size_bytes, self.t, start, end,
                                                tier, tuple(parts)))
@@ -210,7 +212,9 @@ def merge_units(units: list[Unit], bucket_numel: float) -> list[Unit]:
 def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topology, *,
               overlap: bool = True, prefetch: bool | int = False, precision: str = "bf16",
               zero1_grad_op: str = "all_reduce", clip: bool = True, keep_root: bool = False,
-              algorithm: str = "ring", hierarchical: bool = False) -> StepTime:
+              algorithm: str = "ring", hierarchical: bool = False,
+              hybrid: str | None = None, bytes_per_param: dict | None = None,
+              zero12_gather: str = "after_step") -> StepTime:
     """Replay one optimizer step (one micro-step) of zerolab's `stage` and return its timing.
 
     units: forward order; a unit named "root" is treated as `Unit` says. The collectives are
@@ -227,14 +231,32 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topol
     link: one Link, or a hardware.Topology of two tiers: every collective then runs on all
     world_size ranks as `flat_leg` says (one ring through every node: the slower tier), or, each
     all_reduce with `hierarchical`, as `hierarchical_all_reduce`'s three legs; each tier's link
-    serves its legs in issue order (`Clocks`). Returns a StepTime (seconds).
+    serves its legs in issue order (`Clocks`). hybrid (ZeRO-3 on a Topology, zerolab.hybrid):
+    "hsdp" runs every gather and reduce_scatter on node 0's k ranks and all_reduces each
+    gradient shard (S/k) across the nodes as soon as its reduce_scatter ends; "hpz" runs the
+    backward's gathers inside the node. bytes_per_param: {"params": w, "grads": g} that the
+    gathers / reductions carry instead of the precision's (ZeRO++'s qwZ int8 with 256-element
+    blocks: 1 + 4/256). gather (ZeRO-1/2, `hooks.GATHER_MODES`): "after_step" (the
+    notes': every unit gathered at the end of the step, nothing to hide behind) or
+    "before_forward" (FSDP's SHARD_GRAD_OP: in steady state the previous step's gathers run in
+    this step's forward, each unit's just before it runs and the next one issued ahead, as
+    ZeRO-3's forward with prefetch 1). Returns a StepTime (seconds).
     """
     depth = int(prefetch) if not isinstance(prefetch, bool) else int(prefetch)
     if depth < -1:
         raise ValueError(f"prefetch {prefetch!r} must be a bool, a depth >= 0, or -1 (unlimited)")
     theory.check_stage(stage)
     n = theory.check_world_size(world_size)
-    width = theory.bytes_per_param(precision)
+    intra = across = None
+    if hybrid is not None:
+        if stage != 3 or hybrid not in ("hsdp", "hpz") or not isinstance(link, Topology):
+            raise ValueError(f"hybrid {hybrid!r} is ZeRO-3's 'hsdp' or 'hpz' on a Topology of "
+                             f"two tiers (stage {stage}, {type(link).__name__})")
+        k = link.ranks_per_node
+        if n % k:
+            raise ValueError(f"hybrid needs whole nodes: {k} ranks per node do not divide {n}")
+        intra, across = range(k), range(0, n, k)
+    width = {**theory.bytes_per_param(precision), **(bytes_per_param or {})}
     gw, pw = width["grads"], width["params"]
     root = [u for u in units if u.name == "root"]
     blocks = [u for u in units if u.name != "root"]
@@ -247,29 +269,43 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topol
         if limit is not None:
             while len(inflight) >= limit:
                 sim.wait(inflight.pop(0))
-        inflight.append(sim.issue(grad_op, u.numel * gw, u.name))
+        end = sim.issue(grad_op, u.numel * gw, u.name, group=None if hybrid != "hsdp" else intra)
+        if hybrid == "hsdp":                # the node's shard, across nodes, once it is reduced
+            end = sim.issue("all_reduce", u.numel * gw / len(intra), u.name, across, at=end)
+        inflight.append(end)
+
+    def gathered_on():                      # HSDP: always inside; hpZ: inside in backward
+        return intra if hybrid == "hsdp" or (hybrid == "hpz" and sim.phase == "backward") else None
 
     def gather(u, pending):
         if u.name in pending:
             sim.wait(pending.pop(u.name))
         else:
-            sim.wait(sim.issue("all_gather", u.numel * pw, u.name))
+            sim.wait(sim.issue("all_gather", u.numel * pw, u.name, gathered_on()))
 
     def prefetch_after(order, k, pending):
         ahead = order[k + 1:] if depth == -1 else order[k + 1:k + 1 + depth]
         for nxt in ahead:
             if nxt.name not in pending:
-                pending[nxt.name] = sim.issue("all_gather", nxt.numel * pw, nxt.name)
+                pending[nxt.name] = sim.issue("all_gather", nxt.numel * pw, nxt.name, gathered_on())
 
     # --- forward ---
+    if zero12_gather not in ("after_step", "before_forward"):
+        raise ValueError(f"zero12_gather {zero12_gather!r} is not one of 'after_step', "
+                         "'before_forward'")
+    ahead = stage == 3 or (stage in (1, 2) and zero12_gather == "before_forward")
     pending: dict[str, float] = {}
-    if stage == 3:
+    if ahead:
         for u in root:
             gather(u, pending)
     for i, u in enumerate(blocks):
-        if stage == 3:
+        if ahead:
             gather(u, pending)
-            prefetch_after(blocks, i, pending)
+            if stage == 3:
+                prefetch_after(blocks, i, pending)
+            elif i + 1 < len(blocks) and blocks[i + 1].name not in pending:   # one unit ahead
+                pending[blocks[i + 1].name] = sim.issue("all_gather", blocks[i + 1].numel * pw,
+                                                        blocks[i + 1].name)
         sim.compute(u.fwd_s)
     for u in root:
         sim.compute(u.fwd_s)
@@ -295,8 +331,8 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topol
     # --- step ---
     sim.phase = "step"
     if stage >= 1 and clip:
-        sim.wait(sim.issue("all_reduce", 4, "grad_norm"))
-    if stage in (1, 2):
+        sim.wait(sim.issue("all_reduce", 4, "grad_norm", intra if hybrid == "hsdp" else None))
+    if stage in (1, 2) and zero12_gather == "after_step":
         ends = [sim.issue("all_gather", u.numel * pw, u.name) for u in root + blocks]
         for end in ends:
             sim.wait(end)

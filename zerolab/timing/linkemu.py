@@ -26,7 +26,7 @@ group's global ranks come from its Comm): inside one node the intra link alone; 
 nodes each ring step waits for its slowest hop, so it pays the slow tier and keeps both of the
 rank's links busy; one rank per node, the inter link alone. Collectives queue per tier in issue
 order (`costmodel.Clocks`). A hierarchical all_reduce is three collectives on sub-groups
-(`comm.hierarchical_all_reduce`), each timed on its own tier. Validated in
+(`tiers.hierarchical_all_reduce`), each timed on its own tier. Validated in
 zerolab/timing/tiercheck.py (margins there) and tests/test_tiers.py.
 
     python -m zerolab train --stage 0 --nproc 4 --preset nano --ranks-per-node 2 \\

@@ -5,7 +5,7 @@ emulated links (`linkemu.TieredLinkEmulator`) and put next to `costmodel`'s time
 
     flat          one ring over all 4 ranks: crosses nodes, pays inter   2(n-1)·(α_e + S/(n·β_e))
     hierarchical  reduce_scatter intra + all_reduce of S/k inter + all_gather intra
-                  (`comm.hierarchical_all_reduce`)
+                  (`tiers.hierarchical_all_reduce`)
                   2(k-1)·(α_i + S/(k·β_i)) + 2(m-1)·(α_e + S/(k·m·β_e))
     intra         the 2 ranks of one node (both nodes at once): intra only   2(k-1)·(α_i + S/(k·β_i))
 
@@ -48,7 +48,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm, hierarchical_all_reduce, node_comms
+from ..comm import Comm
+from ..tiers import hierarchical_all_reduce, node_comms
 from . import costmodel, hardware, linkemu
 
 INTRA, INTER = "1@20", "0.1@200"        # Gb/s per rank @ α in us: hardware.parse_link

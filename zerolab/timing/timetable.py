@@ -10,7 +10,8 @@ the threshold T* below which ZeRO-3 is communication-bound, at the MFU given and
 
 With two tiers (a `hardware.Topology`) the header shows both links, every stage's collectives
 run as one ring over all N ranks (paying the slow tier when N spans nodes), an extra row replays
-DDP with hierarchical all_reduces, and the last column tags each op's milliseconds with the tier
+DDP with hierarchical all_reduces, two more replay ZeRO-3's hybrids (HSDP and hpZ,
+zerolab.hybrid: gathers inside a node), and the last column tags each op's milliseconds with the tier
 they were paid at: "all_reduce 611 [inter]", "all_reduce 127 [intra 59 + inter 68]".
 """
 from __future__ import annotations
@@ -105,18 +106,22 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
              costmodel.latency_note(world_size, link, algorithm), "",
              f"{'stage':<24}{'compute':>10}{'comm':>10}{'no overlap':>12}{'overlap':>10}"
              f"{'exposed':>10}   comm by op (ms)"]
-    variants = [(s, False, False) for s in (0, 1, 2)] + [(3, False, False), (3, True, False)]
-    if isinstance(link, Topology) and 1 < link.ranks_per_node < world_size:
-        variants.insert(1, (0, False, True))        # DDP with hierarchical all_reduces
-    for stage, prefetch, hier in variants:
+    variants = [(s, False, False, None) for s in (0, 1, 2)] + [(3, False, False, None),
+                                                              (3, True, False, None)]
+    if isinstance(link, Topology) and 1 < link.ranks_per_node < world_size \
+            and not world_size % link.ranks_per_node:
+        variants.insert(1, (0, False, True, None))  # DDP with hierarchical all_reduces
+        variants += [(3, True, False, "hsdp"), (3, True, False, "hpz")]    # zerolab.hybrid
+    for stage, prefetch, hier, hybrid in variants:
         ops = ("all_reduce", "reduce_scatter") if stage == 1 else (None,)
         for op in ops:
             kw = dict(prefetch=prefetch, precision=precision, zero1_grad_op=op or "all_reduce",
-                      algorithm=algorithm, hierarchical=hier)
+                      algorithm=algorithm, hierarchical=hier, hybrid=hybrid)
             serial = costmodel.step_time(stage, units, world_size, link, overlap=False, **kw)
             over = costmodel.step_time(stage, units, world_size, link, overlap=True, **kw)
-            name = theory.STAGE_NAMES[stage] + (f" ({op})" if op else "") + (
-                " +prefetch" if prefetch else "") + (" hierarchical" if hier else "")
+            name = {"hsdp": "HSDP", "hpz": "ZeRO-3 hpZ"}.get(hybrid, theory.STAGE_NAMES[stage]) + (
+                f" ({op})" if op else "") + (" +prefetch" if prefetch else "") + (
+                " hierarchical" if hier else "")
             parts = tagged_ops(over)
             lines.append(f"{name:<24}{over.compute * 1e3:>10.4g}{over.comm * 1e3:>10.4g}"
                          f"{serial.total * 1e3:>12.4g}{over.total * 1e3:>10.4g}"

@@ -27,8 +27,7 @@ import torch
 from .. import ZeRO3
 from ..comm import Comm
 from ..guards import is_placeholder, sync_module_states
-from ..sharding import ROOT, FlatUnit
-from ..zero3 import shard_unit
+from ..sharding import ROOT, FlatUnit, shard_unit
 from .backward import arm, cast_floats
 
 
@@ -128,7 +127,7 @@ def fully_shard(module: torch.nn.Module, *, mesh=None, reshard_after_forward=Non
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward {reshard_after_forward!r} must be True or False "
-                         "(an int, ZeRO++'s hpZ, is not offered)")
+                         "(an int, ZeRO++'s hpZ, is zerolab.hybrid.HpZ, not offered by fully_shard)")
     if type(mp_policy).__name__ == "MixedPrecisionPolicy" and not isinstance(
             mp_policy, MixedPrecisionPolicy):           # torch's own: the same four fields
         mp_policy = MixedPrecisionPolicy(**{f.name: getattr(mp_policy, f.name)

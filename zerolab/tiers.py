@@ -1,0 +1,156 @@
+"""Two tiers: the ranks of a node and the ranks across nodes, their Comms, and their bytes.
+
+Idea: on a real cluster a node's links (NVLink, PCIe) are 10-50x faster than the links between
+nodes (InfiniBand, Ethernet). Ranks sit in nodes of k consecutive ranks (node = rank // k, as
+torchrun numbers them); a collective's cost depends on the tier its group crosses. `node_comms(k)`
+gives every rank two sub-group Comms - `intra`, its node's k ranks, and `inter`, the m = N/k ranks
+with its own local index, one per node - that write into the world Comm's ledger, each record
+tagged with its tier. From them:
+
+- `hierarchical_all_reduce`: reduce_scatter inside the node, all_reduce of the 1/k chunk across
+  nodes, all_gather inside (NCCL's tree / two-level algorithms; what DDP on a cluster wants);
+- hybrid sharding (`zerolab.hybrid`): HSDP shards over `intra` and all_reduces each gradient shard
+  over `inter`; hpZ gathers the backward's weights over `intra` from a secondary shard.
+
+`hybrid_traffic_bytes` and `hybrid_state_bytes` are their per-rank bytes by tier, the formulas the
+ledger is held to (tests/test_hybrid.py). The time of each tier is the cost model's
+(`zerolab.timing.collectives`: flat_leg, hierarchical_all_reduce) and the emulator's
+(`zerolab.timing.linkemu.TieredLinkEmulator`).
+
+    torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 3 --preset tiny \\
+        --hybrid hsdp --ranks-per-node 2 --intra 1@20 --inter 0.1@200 --backend gloo
+
+Source: FSDP's ShardingStrategy.HYBRID_SHARD (Zhao et al. 2023, "PyTorch FSDP", section 3.2.2);
+ZeRO++'s hpZ (Wang et al. 2023, arXiv:2306.10209, section 3.2).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import theory
+from .comm import Comm, Handle
+
+KINDS = ("zero3", "hsdp", "hpz")          # flat ZeRO-3 and its two hybrids (zerolab.hybrid)
+
+
+def node_comms(ranks_per_node: int, parent: Comm | None = None) -> tuple[Comm, Comm]:
+    """This rank's two sub-group Comms when the world is split into nodes of `ranks_per_node`
+    consecutive ranks (node = rank // k): `intra`, the k ranks of its node, and `inter`, the ranks
+    with its local index (rank % k) on every node, one per node.
+
+    Every rank must call it (creating a process group is collective). parent: the world's Comm,
+    whose ledger, step, phase and emulated `link` both share (`sub_comm`: one ledger, one set of
+    per-tier clocks). ValueError unless k >= 1 divides the world size.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    k = ranks_per_node
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or world % k:
+        raise ValueError(f"ranks_per_node {k!r} must be an integer >= 1 that divides the world "
+                         f"size {world}")
+    intra = inter = None
+    for node in range(world // k):                  # every rank creates every group, in order
+        group = dist.new_group(list(range(node * k, (node + 1) * k)))
+        if rank // k == node:
+            intra = sub_comm(group, parent, "intra")
+    for local in range(k):
+        group = dist.new_group(list(range(local, world, k)))
+        if rank % k == local:
+            inter = sub_comm(group, parent, "inter")
+    return intra, inter
+
+
+def sub_comm(group, parent: Comm | None, tier: str) -> Comm:
+    """A Comm over `group` whose records go into `parent`'s ledger tagged `tier`, whose step and
+    phase are the parent's, which shares the parent's emulated link, and which the parent settles
+    (a Comm of its own, tier `tier`, when parent is None)."""
+    comm = Comm(group)
+    comm.tier = tier
+    if parent is not None:
+        comm.root, comm.records, comm.link = parent.root, parent.records, parent.link
+        parent.children.append(comm)
+    return comm
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, intra: Comm, inter: Comm, *, what: str,
+                            unit: str = "") -> list[Handle]:
+    """Sum `tensor` [S] over every rank of every node, in place, in three collectives that each
+    stay on one tier (`node_comms` gives `intra` and `inter`; k = intra.world_size):
+
+        reduce_scatter over the node    G{U} [S]  ->  G[S/k], summed over the node's k ranks
+        all_reduce across nodes         G[S/k]    ->  G[S/k], summed over every node
+        all_gather over the node        G[S/k]    ->  G[S]
+
+    The k chunks cross nodes in parallel, one per local rank, so the slow tier carries S/k per
+    rank instead of S (costmodel.hierarchical_all_reduce times it). Each collective is recorded
+    in its own Comm's ledger. Returns their three Handles, waited for. ValueError unless `tensor`
+    is contiguous and k divides its numel (pad first, as the strategies' flat buffers are).
+    """
+    k = intra.world_size
+    if not tensor.is_contiguous() or tensor.numel() % k:
+        raise ValueError(f"hierarchical_all_reduce needs a contiguous tensor whose {tensor.numel()} "
+                         f"elements the node's {k} ranks divide")
+    flat = tensor.view(-1)                                                  # [S]
+    chunk = flat.narrow(0, intra.rank * (flat.numel() // k), flat.numel() // k)   # [S/k], own
+    rs = intra.reduce_scatter(chunk, flat, what=what, unit=unit)    # chunk: summed over the node
+    ar = inter.all_reduce(chunk, what=what, unit=unit)              # chunk: summed over all nodes
+    ag = intra.all_gather(flat, chunk, what=what, unit=unit)        # in place, as ZeRO-1/2 gather
+    return [rs, ar, ag]
+
+
+# --- bytes per rank, by tier ---------------------------------------------------------------------
+def hybrid_traffic_bytes(psi: float, world_size: int, ranks_per_node: int, kind: str = "zero3",
+                         precision: str = "bf16", grad_accum: int = 1,
+                         grad_dtype: str | None = None,
+                         no_sync: bool = False) -> dict[str, dict[str, float]]:
+    """Per-rank ring bytes a step of ZeRO-3 (`kind` "zero3"), HSDP ("hsdp") or hpZ ("hpz") moves,
+    by the group it runs on - "world" (a ring through all N ranks, crossing nodes), "intra" (a
+    node's k ranks), "inter" (one rank per node, m = N/k) - and by op. P = Ψ·bytes per param, G =
+    Ψ·bytes per gradient, A = grad_accum: A all_gathers a step, and A reductions (one with
+    no_sync: the micro-steps before the last ran backward(sync=False); R below is A or 1):
+
+        zero3   world: all_gather 2A(N-1)/N·P, reduce_scatter R(N-1)/N·G
+        hsdp    intra: all_gather 2A(k-1)/k·P, reduce_scatter R(k-1)/k·G;
+                inter: all_reduce of the 1/k shard, R·2(m-1)/m·G/k
+        hpz     world: all_gather (forward) A(N-1)/N·P, reduce_scatter R(N-1)/N·G;
+                intra: all_gather (backward, from the secondary shards) A(k-1)/k·P
+
+    ValueError for an unknown kind or k not dividing N."""
+    n = theory.check_world_size(world_size)
+    k, m = _node_split(n, ranks_per_node)
+    per = theory.bytes_per_param(precision, grad_dtype)
+    p, g = psi * per["params"], psi * per["grads"]
+    ag, rs, ar = (theory.RING_FACTOR[op] for op in ("all_gather", "reduce_scatter", "all_reduce"))
+    a, r = grad_accum, 1 if no_sync else grad_accum
+    if kind == "zero3":
+        return {"world": {"all_gather": 2 * a * ag(n) * p, "reduce_scatter": r * rs(n) * g}}
+    if kind == "hsdp":
+        return {"intra": {"all_gather": 2 * a * ag(k) * p, "reduce_scatter": r * rs(k) * g},
+                "inter": {"all_reduce": r * ar(m) * g / k}}
+    if kind == "hpz":
+        return {"world": {"all_gather": a * ag(n) * p, "reduce_scatter": r * rs(n) * g},
+                "intra": {"all_gather": a * ag(k) * p}}
+    raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+
+
+def hybrid_state_bytes(psi: float, world_size: int, ranks_per_node: int, kind: str = "zero3",
+                       precision: str = "bf16", grad_dtype: str | None = None) -> dict[str, float]:
+    """Per-rank bytes of the model states (`theory.model_state_bytes`' keys) between steps, and
+    "secondary_params": what hpZ adds from a forward to its backward. zero3 and hpz shard
+    everything over the N ranks (16Ψ/N in bf16 + AdamW); hsdp over a node's k ranks only (16Ψ/k:
+    every node holds a full replica); hpz's secondary shard holds P/k (2Ψ/k)."""
+    n = theory.check_world_size(world_size)
+    k, _ = _node_split(n, ranks_per_node)
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    out = theory.model_state_bytes(psi, k if kind == "hsdp" else n, 3, precision,
+                                   grad_dtype=grad_dtype)
+    per = theory.bytes_per_param(precision, grad_dtype)
+    return {**out, "secondary_params": psi * per["params"] / k if kind == "hpz" else 0.0}
+
+
+def _node_split(n: int, k) -> tuple[int, int]:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or n % k:
+        raise ValueError(f"ranks_per_node {k!r} must be an integer >= 1 that divides the world "
+                         f"size {n}")
+    return k, n // k
