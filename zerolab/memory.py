@@ -35,18 +35,21 @@ from .sharding import storage_bytes
 
 TRANSIENT = ("grad_buckets", "gathered_params", "grad_fp32",   # come and go within a step
              "reduce_scatter_out")
+HOST = "host_"      # categories in host memory (zerolab.offload): totals and peaks of their own
 
 
 class MemoryMeter:
     """Samples a strategy's tensors by category. `timeline` rows: (tag, seconds, {cat: bytes});
     `peak_by_phase`: {phase of the strategy's comm (forward / backward / step ...): peak total}.
-    `enabled = False`: `sample` does nothing (a step whose memory nobody reads)."""
+    Totals and peaks are the device's: categories named "host_..." (ZeRO-Offload's host
+    memory) are summed into `peak_host_total` instead. `enabled = False`: `sample` does
+    nothing (a step whose memory nobody reads)."""
 
     def __init__(self, record_timeline: bool = False, enabled: bool = True):
         self.enabled = enabled
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = {}
-        self.peak_total = 0
+        self.peak_total = self.peak_host_total = 0
         self.peak_by_phase: dict[str, int] = {}
         self.timeline: list[tuple[str, float, dict]] = []
         self.record_timeline = record_timeline
@@ -60,8 +63,9 @@ class MemoryMeter:
         self.current = {cat: storage_bytes(ts) for cat, ts in strategy.state_tensors().items()}
         for cat, b in self.current.items():
             self.peak[cat] = max(self.peak.get(cat, 0), b)
-        total = sum(self.current.values())
+        total = sum(b for cat, b in self.current.items() if not cat.startswith(HOST))
         self.peak_total = max(self.peak_total, total)
+        self.peak_host_total = max(self.peak_host_total, sum(self.current.values()) - total)
         phase = getattr(getattr(strategy, "comm", None), "current_phase", "setup")
         self.peak_by_phase[phase] = max(self.peak_by_phase.get(phase, 0), total)
         if self.record_timeline:
@@ -69,13 +73,15 @@ class MemoryMeter:
 
     def reset_peaks(self):
         """Start a new window for peaks (and the timeline)."""
-        self.peak, self.peak_total, self.timeline = dict(self.current), sum(self.current.values()), []
+        self.peak, self.timeline = dict(self.current), []
+        self.peak_total = sum(b for cat, b in self.current.items() if not cat.startswith(HOST))
+        self.peak_host_total = sum(self.current.values()) - self.peak_total
         self.peak_by_phase = {}
         self.t0 = time.perf_counter()
 
     def to_json(self) -> dict:
         return {"current": dict(self.current), "peak": dict(self.peak), "peak_total": self.peak_total,
-                "peak_by_phase": dict(self.peak_by_phase),
+                "peak_host_total": self.peak_host_total, "peak_by_phase": dict(self.peak_by_phase),
                 "timeline": [{"tag": t, "t": s, **c} for t, s, c in self.timeline]}
 
 

@@ -7,7 +7,9 @@ range, writes it into its bf16 weights, and an all_gather brings every rank's up
 everyone - at the end of the step (gather="after_step", the notes') or just before each block's
 next forward (gather="before_forward", FSDP's SHARD_GRAD_OP). Per rank: 2Ψ + 2Ψ + 12Ψ/N bytes (5.5Ψ at N = 8). The gradient path is the notes'
 all_reduce (3(n-1)/n·2Ψ bytes a step with the all_gather) or, with grad_op="reduce_scatter", a
-reduce_scatter that leaves only the owned range averaged (2(n-1)/n·2Ψ bytes).
+reduce_scatter that leaves only the owned range averaged (2(n-1)/n·2Ψ bytes). With
+`offload=` (ZeRO-Offload, zerolab/offload.py) the optimizer states and AdamW are on the host:
+4Ψ on the device.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 1 --preset tiny --steps 3
 
@@ -23,10 +25,11 @@ import torch
 from .guards import (adopt_edits, check_edits, check_step, claim_grads, fingerprint,
                      is_placeholder, shard_grads, sync_module_states)
 from .hooks import DEFAULT_GATHER, GATHER_MODES, GatherBeforeForward
-from .optim import make_flat_optimizer
-from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
-                       check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
-                       optimizer_states, set_adam_state, write_back)
+from .offload import Offload
+from .optim import (adam_state, clip_grad_norm_, make_flat_optimizer, optimizer_states,
+                    set_adam_state)
+from .sharding import (GradReady, bucket_numel, build_units, check_all_used, check_trainable,
+                       fp32_grads, global_used, grad_copies, write_back)
 
 
 # --- the two halves of the sharded update (exercise (c): `zerolab check zero1 --impl FILE`) ----
@@ -54,7 +57,7 @@ class ZeRO1:
 
     def __init__(self, model, comm, *, grad_op="all_reduce", max_grad_norm=0.0,
                  find_unused_parameters=False, grad_dtype=None, bucket_mb=None,
-                 gather=DEFAULT_GATHER, meter=None, **adamw):
+                 gather=DEFAULT_GATHER, meter=None, offload=None, **adamw):
         """grad_op: the gradient collective, "all_reduce" (the notes') or "reduce_scatter".
         bucket_mb: gradient bucket cap in MiB (torch DDP's bucket_cap_mb; see DDP); None: one
         bucket per block.
@@ -66,8 +69,10 @@ class ZeRO1:
         one unit ahead, so it runs while the unit before computes. Same bytes (the ledger counts
         each gather in the step whose update it carries), same memory (the full bf16 weights
         stay resident); in between, the parameters are placeholders: reads raise, and
-        gathered(), full_parameters(), an eval forward and close() gather them first. The rest
-        as in DDP."""
+        gathered(), full_parameters(), an eval forward and close() gather them first.
+        offload: a zerolab.offload.Offload (True: one without an emulated link): master, moments
+        and AdamW on the host; the own range of the gradient down and of the updated weights up
+        each step. The rest as in DDP."""
         if grad_op not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"grad_op {grad_op!r} is not one of 'all_reduce', 'reduce_scatter'")
         if gather not in GATHER_MODES:
@@ -76,6 +81,7 @@ class ZeRO1:
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused = find_unused_parameters
+        self.offload = Offload() if offload is True else offload or None   # as ZeRO2's
         sync_module_states(model, comm)                 # rank 0's weights, as torch DDP does
         self.units = build_units(model, comm.world_size, comm.rank,
                                  bucket_numel(bucket_mb, model, grad_dtype))
@@ -87,8 +93,11 @@ class ZeRO1:
             u.grad_flat = torch.zeros_like(u.param_flat, dtype=grad_dtype)  # [Ψ_u] bf16
             u.bind_grads(u.grad_flat)
             # --- optimizer state: this rank's range only -----------------------------------
-            u.master = u.own(u.param_flat).float().clone()      # [Ψ_u/N] fp32 master shard
+            u.master = (u.own(u.param_flat).float().clone()     # [Ψ_u/N] fp32 master shard
+                        if self.offload is None else self.offload.host_master(u))   # (host)
             u.averaged = False          # reduce_scatter done: own range averaged, the rest stale
+        if self.offload is not None:
+            self.offload.attach(self.units, comm, adamw.get("optimizer_states", "fp32"))
         self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
         self.inflight, self.sync, self.fresh = [], True, False
         self.ready = GradReady(self.units, self._grads_ready)
@@ -149,14 +158,23 @@ class ZeRO1:
         with self.comm.phase("step"):
             self._adopt_edits()             # weights the loop changed since the last step
             used = global_used(self.units, self.comm) if self.find_unused else None
-            fp32_grads(self.units, [own_gradient(u) for u in self.units])  # [Ψ_u/N] fp32
-            self._sample("fp32 grads")
-            norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm, self.comm)
-            self.optimizer.step(used)
+            if self.offload is None:
+                fp32_grads(self.units, [own_gradient(u) for u in self.units])  # [Ψ_u/N] fp32
+                self._sample("fp32 grads")
+                norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm,
+                                       self.comm)
+                self.optimizer.step(used)
+            else:       # own range down, clip + AdamW on the host, new weights up (offload.py)
+                norm = self.offload.update(self.units, [u.own(u.grad_flat) for u in self.units],
+                                           self.optimizer, used, self.max_grad_norm, self.comm)
             self._sample("optimizer step")
             handles = []
             for u in self.units:
-                if self.deferred is None:
+                if self.offload is not None:                        # own range: from the host
+                    self.offload.wait_up(u)
+                    if self.deferred is None:
+                        handles.append(self._gather(u))
+                elif self.deferred is None:
                     handles.append(publish_update(self.comm, u))    # own range, all_gather
                 else:                                               # own range; gather later
                     u.own(u.param_flat).copy_(u.master)
@@ -172,10 +190,11 @@ class ZeRO1:
         self._sample("step done")
         return norm
 
-    def _gather(self, u):                   # gather="before_forward": publish_update's second half
+    def _gather(self, u):                   # publish_update's second half (before_forward, offload)
         handle = self.comm.all_gather(u.param_flat, u.own(u.param_flat), what="params",
                                       unit=u.name, async_op=True)
-        handle.record.step = self.stepped   # counted in the step whose update it carries
+        if self.stepped is not None:        # deferred: counted in the step whose update it is
+            handle.record.step = self.stepped
         return handle
 
     def _complete(self):                    # every reader of full weights: gather them first
@@ -186,9 +205,11 @@ class ZeRO1:
     # --- what this rank holds ----------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         masters = [u.master for u in self.units]
-        return {"params": [u.param_flat for u in self.units],
-                "grads": [u.grad_flat for u in self.units],
-                **optimizer_states(self.optimizer, masters),
+        device = {"params": [u.param_flat for u in self.units],
+                  "grads": [u.grad_flat for u in self.units]}
+        if self.offload is not None:        # the optimizer's states: "host_..." categories
+            return {**device, **self.offload.host_tensors(self.optimizer)}
+        return {**device, **optimizer_states(self.optimizer, masters),
                 "grad_fp32": grad_copies(self.units)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -208,6 +229,8 @@ class ZeRO1:
         yield
         if modifier_rank is None:           # the same edit on every rank: kept at the step
             check_edits(self.comm, self.units, before)
+        elif self.offload is not None:      # the masters are on the host
+            self.offload.write_back(self, modifier_rank)
         else:
             write_back(self, modifier_rank, sharded=True)
 
@@ -227,8 +250,9 @@ class ZeRO1:
         """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
         [Ψ_u/N] of each state (zerolab.run.checkpoint writes them)."""
         self._adopt_edits()
-        return {u.name: {"params": u.own(u.param_flat), **adam_state(self.optimizer, u.master)}
-                for u in self.units}
+        host = self.offload.to_device if self.offload is not None else (lambda d: d)
+        return {u.name: {"params": u.own(u.param_flat),
+                         **host(adam_state(self.optimizer, u.master))} for u in self.units}
 
     def load_state(self, read, step: int):
         """read(unit, key) -> [padded_numel] state of `unit` for this world size (key: params,
@@ -238,12 +262,16 @@ class ZeRO1:
             u.master.copy_(u.own(read(u, "master")))                # [Ψ_u/N] own range
             set_adam_state(self.optimizer, u.master, u.own(read(u, "exp_avg")),
                            u.own(read(u, "exp_avg_sq")), step)
+        if self.offload is not None:
+            self.offload.loaded(self.units)
         if self.deferred is not None:       # full weights written: nothing to gather
             self.deferred.cancel()
 
     def _adopt_edits(self):
         if self.deferred is not None and self.deferred.pending:
             return                          # placeholders: nothing the loop could have edited
+        if self.offload is not None:        # the masters are on the host
+            return self.offload.adopt_edits(self.units)
         for u in self.units:                # in place or `p.data = t`: the owner takes them
             adopt_edits(u, u.param_flat, u.master, u.own)
 

@@ -10,7 +10,8 @@ holds several consecutive blocks, so fewer reduce_scatters and a higher peak
 (`theory.zero2_bucket_peak_bytes`). The update is ZeRO-1's: own range, then all_gather - at the
 end of the step (gather="after_step", the notes') or just before each block's next forward
 (gather="before_forward", FSDP's SHARD_GRAD_OP). Per rank: 2Ψ + (2Ψ + 12Ψ)/N bytes (3.75Ψ at
-N = 8); traffic 2(n-1)/n·2Ψ a step.
+N = 8); traffic 2(n-1)/n·2Ψ a step. With `offload=` (ZeRO-Offload, zerolab/offload.py) the
+master and moments live on the host and AdamW runs there: 2Ψ + 2Ψ/N on the device.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 2 --preset tiny --steps 3
 
@@ -27,10 +28,11 @@ from .guards import (ShardedGrad, adopt_edits, check_edits, check_step, claim_gr
                      claim_shard_grads, fingerprint, is_placeholder, shard_grads,
                      sync_module_states)
 from .hooks import DEFAULT_GATHER, GATHER_MODES, GatherBeforeForward
-from .optim import make_flat_optimizer
-from .sharding import (GradReady, adam_state, bucket_numel, build_units, check_all_used,
-                       check_trainable, clip_grad_norm_, fp32_grads, global_used, grad_copies,
-                       on_pre_backward, optimizer_states, set_adam_state, write_back)
+from .offload import Offload
+from .optim import (adam_state, clip_grad_norm_, make_flat_optimizer, optimizer_states,
+                    set_adam_state)
+from .sharding import (GradReady, bucket_numel, build_units, check_all_used, check_trainable,
+                       fp32_grads, global_used, grad_copies, on_pre_backward, write_back)
 
 
 def reduce_scatter_bucket(comm, unit, world_size: int):
@@ -60,7 +62,8 @@ class ZeRO2:
     stage = 2
 
     def __init__(self, model, comm, *, max_grad_norm=0.0, find_unused_parameters=False,
-                 grad_dtype=None, bucket_mb=None, gather=DEFAULT_GATHER, meter=None, **adamw):
+                 grad_dtype=None, bucket_mb=None, gather=DEFAULT_GATHER, meter=None, offload=None,
+                 **adamw):
         """bucket_mb: gradient bucket cap in MiB (torch DDP's bucket_cap_mb; see DDP): a bucket
         of several blocks opens when the first of them starts its backward and is
         reduce-scattered when all are done; None: one bucket per block.
@@ -72,7 +75,10 @@ class ZeRO2:
         runs while the unit before computes. Same bytes (the ledger counts each gather in the
         step whose update it carries), same memory (the full bf16 weights stay resident); in
         between, the parameters are placeholders: reads raise, and gathered(),
-        full_parameters(), an eval forward and close() gather them first. The rest as in DDP."""
+        full_parameters(), an eval forward and close() gather them first.
+        offload: a zerolab.offload.Offload (True: one without an emulated link): master, moments
+        and AdamW on the host, gradients down and updated weights up each step. The rest as in
+        DDP."""
         if gather not in GATHER_MODES:
             raise ValueError(f"gather {gather!r} is not one of {', '.join(map(repr, GATHER_MODES))}")
         self.gather = gather
@@ -80,6 +86,7 @@ class ZeRO2:
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
         self.handles = []
+        self.offload = Offload() if offload is True else offload or None
         sync_module_states(model, comm)                 # rank 0's weights, as torch DDP does
         self.units = build_units(model, comm.world_size, comm.rank,
                                  bucket_numel(bucket_mb, model, grad_dtype))
@@ -91,11 +98,14 @@ class ZeRO2:
             u.grad_shard = torch.zeros(u.shard_numel, dtype=grad_dtype or u.param_flat.dtype,
                                        device=u.param_flat.device)   # [Ψ_u/N] bf16
             # --- optimizer state: this rank's range only -----------------------------------
-            u.master = u.own(u.param_flat).float().clone()      # [Ψ_u/N] fp32 master shard
+            u.master = (u.own(u.param_flat).float().clone()     # [Ψ_u/N] fp32 master shard
+                        if self.offload is None else self.offload.host_master(u))   # (host)
             # the bucket opens when the unit's backward begins: at its last block's pre-backward
             # (every block's hook can open it: that block may be skipped on this rank)
             self.handles += [on_pre_backward(m, lambda u=u: self._open_bucket(u))
                              for m in reversed(u.modules)]
+        if self.offload is not None:
+            self.offload.attach(self.units, comm, adamw.get("optimizer_states", "fp32"))
         self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw)
         self.inflight, self.sync, self.fresh = [], True, False
         self.ready = GradReady(self.units, self._grads_ready)
@@ -164,14 +174,22 @@ class ZeRO2:
         with self.comm.phase("step"):
             self._adopt_edits()             # weights the loop changed since the last step
             used = global_used(self.units, self.comm) if self.find_unused else None
-            fp32_grads(self.units, [u.grad_shard for u in self.units])       # [Ψ_u/N] fp32
-            self._sample("fp32 grads")
-            norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm, self.comm)
-            self.optimizer.step(used)
+            if self.offload is None:
+                fp32_grads(self.units, [u.grad_shard for u in self.units])   # [Ψ_u/N] fp32
+                self._sample("fp32 grads")
+                norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm,
+                                       self.comm)
+                self.optimizer.step(used)
+            else:       # grads down, clip + AdamW on the host, new weights up (offload.py)
+                norm = self.offload.update(self.units, [u.grad_shard for u in self.units],
+                                           self.optimizer, used, self.max_grad_norm, self.comm)
             self._sample("optimizer step")
             handles = []
             for u in self.units:
-                u.own(u.param_flat).copy_(u.master)                 # fp32 -> bf16, own range
+                if self.offload is None:
+                    u.own(u.param_flat).copy_(u.master)             # fp32 -> bf16, own range
+                else:
+                    self.offload.wait_up(u)                         # arrived from the host
                 if self.deferred is None:                           # before_forward: later
                     handles.append(self._gather(u))
                 u.master.grad = None
@@ -202,13 +220,15 @@ class ZeRO2:
     # --- what this rank holds ----------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         masters = [u.master for u in self.units]
-        return {"params": [u.param_flat for u in self.units],
-                "grads": [u.grad_shard for u in self.units],
-                "grad_buckets": [u.bucket for u in self.units] + [
-                    p.grad for u in self.units for p in u.params
-                    if type(p.grad) is not ShardedGrad],
-                "reduce_scatter_out": [u.rs_out for u in self.units],
-                **optimizer_states(self.optimizer, masters),
+        device = {"params": [u.param_flat for u in self.units],
+                  "grads": [u.grad_shard for u in self.units],
+                  "grad_buckets": [u.bucket for u in self.units] + [
+                      p.grad for u in self.units for p in u.params
+                      if type(p.grad) is not ShardedGrad],
+                  "reduce_scatter_out": [u.rs_out for u in self.units]}
+        if self.offload is not None:        # the optimizer's states: "host_..." categories
+            return {**device, **self.offload.host_tensors(self.optimizer)}
+        return {**device, **optimizer_states(self.optimizer, masters),
                 "grad_fp32": grad_copies(self.units)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -228,6 +248,8 @@ class ZeRO2:
         yield
         if modifier_rank is None:           # the same edit on every rank: kept at the step
             check_edits(self.comm, self.units, before)
+        elif self.offload is not None:      # the masters are on the host
+            self.offload.write_back(self, modifier_rank)
         else:
             write_back(self, modifier_rank, sharded=True)
 
@@ -247,8 +269,9 @@ class ZeRO2:
         """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
         [Ψ_u/N] of each state (zerolab.run.checkpoint writes them)."""
         self._adopt_edits()
-        return {u.name: {"params": u.own(u.param_flat), **adam_state(self.optimizer, u.master)}
-                for u in self.units}
+        host = self.offload.to_device if self.offload is not None else (lambda d: d)
+        return {u.name: {"params": u.own(u.param_flat),
+                         **host(adam_state(self.optimizer, u.master))} for u in self.units}
 
     def load_state(self, read, step: int):
         """read(unit, key) -> [padded_numel] state of `unit` for this world size (key: params,
@@ -258,12 +281,16 @@ class ZeRO2:
             u.master.copy_(u.own(read(u, "master")))                # [Ψ_u/N] own range
             set_adam_state(self.optimizer, u.master, u.own(read(u, "exp_avg")),
                            u.own(read(u, "exp_avg_sq")), step)
+        if self.offload is not None:
+            self.offload.loaded(self.units)
         if self.deferred is not None:       # full weights written: nothing to gather
             self.deferred.cancel()
 
     def _adopt_edits(self):
         if self.deferred is not None and self.deferred.pending:
             return                          # placeholders: nothing the loop could have edited
+        if self.offload is not None:        # the masters are on the host
+            return self.offload.adopt_edits(self.units)
         for u in self.units:                # in place or `p.data = t`: the owner takes them
             adopt_edits(u, u.param_flat, u.master, u.own)
 

@@ -23,15 +23,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-import torch
-
 from .. import quant, theory
 from ..model import PRESETS, get_config
 from ..hooks import DEFAULT_GATHER, GATHER_MODES
-from ..timing import linkemu
 from ..zero3 import DEFAULT_PREFETCH
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from . import knobs
+from .knobs import DTYPES  # noqa: F401 - the precisions' dtypes, where the options are
 #: seeds accepted: the range every generator the package seeds takes (torch.manual_seed takes
 #: < 2**64; zerolab.data seeds each batch with seed * 1_000_003 + step)
 SEED_MAX = 2**32 - 1
@@ -102,6 +99,12 @@ OPTIONS = {o.dest: o for o in (
            "SHARD_GRAD_OP: each unit just before its next forward, one unit ahead, overlapping "
            f"the previous unit's compute); same bytes. Default {DEFAULT_GATHER} (measured: "
            "zerolab/hooks.py)", {"choices": GATHER_MODES}),
+    Option(("--offload-optimizer",), "ZeRO-1/2: ZeRO-Offload (DeepSpeed's offload_optimizer): "
+           "fp32 master, exp_avg, exp_avg_sq and AdamW on the host; gradients down and updated "
+           "weights up each step (zerolab/offload.py)", _ON),
+    Option(("--offload-link",), "the host link of --offload-optimizer: a profile (pcie4, pcie5) "
+           "or GBPS[@LATENCY_US]; emulated when the device is the CPU (default pcie4), the "
+           "model's figure next to the real copies on CUDA", {"metavar": "SPEC"}),
     Option(("--find-unused-parameters",), "allow parameters that get no gradient in a step "
            "(torch DDP's flag)", _ON),
     Option(("--bucket-mb",), "DDP / ZeRO-1 / ZeRO-2: gradient bucket cap in MiB (torch DDP's "
@@ -122,6 +125,10 @@ OPTIONS = {o.dest: o for o in (
            "bf16", {"choices": quant.GRAD_FORMATS}),
     Option(("--quant-block",), "elements per fp32 scale of --quantize-weights / --quantize-grads "
            f"(default {quant.DEFAULT_BLOCK})", {"type": int, "metavar": "B"}),
+    Option(("--hybrid",), "ZeRO-3 by node (zerolab/hybrid.py): hsdp shards inside a node and "
+           "all-reduces across nodes (FSDP's HYBRID_SHARD); hpz gathers the backward's weights "
+           "inside the node (ZeRO++); a node: --ranks-per-node K, else the ranks torchrun starts "
+           "on it", {"choices": ("hsdp", "hpz")}),
     Option(("--activation-checkpointing",), "recompute each block's forward in backward "
            "(torch.utils.checkpoint)", _ON),
     # --- where it runs ---------------------------------------------------------------------------
@@ -175,9 +182,10 @@ OPTIONS = {o.dest: o for o in (
 TRAINING = ("stages", "preset", "block_size", "steps", "batch_size", "grad_accum", "precision",
             "grad_dtype", "data", "seed", "lr", "weight_decay", "max_grad_norm",
             "optimizer_states", "master_rounding", "zero1_grad_op",
-            "zero12_gather", "find_unused_parameters", "bucket_mb", "zero3_prefetch",
+            "zero12_gather", "offload_optimizer", "offload_link", "find_unused_parameters",
+            "bucket_mb", "zero3_prefetch",
             "zero3_prefetch_depth", "zero3_keep_root", "quantize_weights", "quantize_grads",
-            "quant_block", "activation_checkpointing", "backend",
+            "quant_block", "hybrid", "activation_checkpointing", "backend",
             "device", "timeout", "link_gbps", "link_latency_us", "ranks_per_node", "intra",
             "inter", "out", "overwrite", "timeline", "trace", "save_params")
 CHECKPOINTS = ("save_every", "resume")
@@ -330,58 +338,18 @@ def check(args, world_size: int):
     for name in ("lr", "timeout"):
         theory.check_finite(f"--{name}", getattr(args, name), positive=True)
     theory.check_finite("--max-grad-norm", args.max_grad_norm)
-    theory.check_optimizer_states(*optimizer_ladder(args).values(), args.precision,
-                                  getattr(args, "grad_dtype", None))
+    knobs.check(args, world_size, args.stage_list)  # the strategies' knobs (zerolab/run/knobs.py)
     theory.check_finite("--weight-decay", getattr(args, "weight_decay", 0.0), minimum=0)
     check_seed(args.seed)
     if getattr(args, "bucket_mb", None) is not None:
         theory.check_finite("--bucket-mb", args.bucket_mb, positive=True)
-    depth = getattr(args, "zero3_prefetch_depth", None)
-    if depth is not None and depth < -1:
-        raise ValueError(f"--zero3-prefetch-depth {depth} must be >= 0, or -1 (all blocks)")
-    linkemu.from_args(getattr(args, "link_gbps", None), getattr(args, "link_latency_us", None),
-                      world_size)          # ValueError for a bad emulated link
-    tiers(args, world_size)                 # ValueError for bad emulated tiers
-    quantize(args)                          # ValueError: a bad block, or not ZeRO-3
     if args.batch_size % (world_size * args.grad_accum):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by world_size "
                          f"{world_size} x --grad-accum {args.grad_accum}")
     save_every = getattr(args, "save_every", None)          # `zerolab compare` has none
     if save_every is not None and save_every < 0:
         raise ValueError(f"--save-every {save_every} must be >= 0 (0: only at the end)")
-    if getattr(args, "master_rounding", None) == "kahan" and (save_every is not None
-                                                              or getattr(args, "resume", None)):
-        raise ValueError("--master-rounding kahan cannot be checkpointed yet (the compensation "
-                         "buffer is not saved, so a resume would differ): drop --save-every / "
-                         "--resume, or use --master-rounding stochastic")
     return cfg
-
-
-def tiers(args, world_size: int):
-    """The emulated two-tier network of --ranks-per-node / --intra / --inter (a
-    hardware.Topology), or None; ValueError (one line) for a bad combination or value
-    (`linkemu.tiers_from_args`)."""
-    return linkemu.tiers_from_args(getattr(args, "ranks_per_node", None), getattr(args, "intra", None),
-                                   getattr(args, "inter", None), world_size,
-                                   getattr(args, "link_gbps", None))
-
-
-def quantize(args):
-    """ZeRO-3's `quant.Quantize` of --quantize-weights / --quantize-grads / --quant-block, or None;
-    ValueError (one line) for --quant-block alone or < 1, or a stage other than 3 in --stage."""
-    w, g, b = (getattr(args, k, None) for k in ("quantize_weights", "quantize_grads", "quant_block"))
-    if w is None and g is None:
-        if b is not None:
-            raise ValueError(f"--quant-block {b} needs --quantize-weights or --quantize-grads")
-        return None
-    flag = "--quantize-weights" if w is not None else "--quantize-grads"
-    other = [str(s) for s in parse_stages(args.stages) if s != 3]
-    if other:
-        raise ValueError(f"{flag} quantizes ZeRO-3's collectives only, not stage "
-                         f"{', '.join(other)}: run it with --stage 3")
-    if b is not None and b < 1:
-        raise ValueError(f"--quant-block {b} must be >= 1 (elements per scale)")
-    return quant.Quantize(weights=w, grads=g, block=quant.DEFAULT_BLOCK if b is None else b)
 
 
 def check_backend(args, backend: str):
@@ -389,7 +357,8 @@ def check_backend(args, backend: str):
     backend other than gloo: NCCL's kernels would not wait for the emulator's host-side sleep."""
     if backend == "gloo":
         return
-    if getattr(args, "ranks_per_node", None) is not None:
+    if getattr(args, "ranks_per_node", None) is not None and (getattr(args, "intra", None)
+                                                              or getattr(args, "inter", None)):
         raise ValueError(f"--ranks-per-node emulates two tiers of links for gloo only, not "
                          f"--backend {backend} (add --backend gloo)")
     if getattr(args, "link_gbps", None) is not None:
@@ -419,19 +388,3 @@ def check_resume(args, given: set[str], world_size: int):
                          f"step {ckpt.step}: give --steps > {ckpt.step}")
     return ckpt, notes
 
-
-def optimizer_ladder(args) -> dict:
-    """{"states", "rounding"}: the rung of --optimizer-states / --master-rounding (defaults
-    "fp32", "nearest"), as `theory.bytes_per_param` takes them."""
-    return {"states": getattr(args, "optimizer_states", None) or "fp32",
-            "rounding": getattr(args, "master_rounding", None) or "nearest"}
-
-
-def zero3_prefetch_depth(args) -> int:
-    """ZeRO-3's blocks gathered ahead: --zero3-prefetch-depth if given, else 1 for
-    --zero3-prefetch, 0 for --no-zero3-prefetch, else zero3.DEFAULT_PREFETCH."""
-    depth = getattr(args, "zero3_prefetch_depth", None)
-    if depth is not None:
-        return depth
-    flag = getattr(args, "zero3_prefetch", None)
-    return DEFAULT_PREFETCH if flag is None else int(flag)

@@ -12,11 +12,14 @@ folder back.
 """
 from __future__ import annotations
 
+import statistics
+
 import torch.distributed as dist
 
-from .. import theory
+from .. import theory, tiers
 from ..memory import padding_bytes
-from .options import optimizer_ladder, quantize, zero3_prefetch_depth
+from ..offload import HOST_STATES, device_bytes, host_bytes
+from .knobs import hybrid, optimizer_ladder, quantize, zero3_prefetch_depth
 
 
 def stage_result(st, ledger: list[dict]) -> dict:
@@ -29,12 +32,16 @@ def stage_result(st, ledger: list[dict]) -> dict:
     ladder = optimizer_ladder(args)     # {"states", "rounding"}: the optimizer's state dtypes
     measured_state = {s: st.memory["current"].get(s, 0) for s in theory.STATES}
     q = quantize(args) if stage == 3 else None          # ZeRO++'s quantized collectives, or None
-    traffic_padded = (theory.quantized_traffic_bytes(
+    hy = hybrid(args, n) if stage == 3 else None        # (kind, k): HSDP / hpZ, or None
+    states_n = hy[1] if hy and hy[0] == "hsdp" else n   # HSDP shards over a node's k ranks
+    tiers_padded = (tiers.hybrid_traffic_bytes(psi_padded, n, hy[1], hy[0], args.precision, A, gd)
+                    if hy else None)
+    traffic_padded = _by_op(tiers_padded) if hy else (theory.quantized_traffic_bytes(
         [u.shard_numel for u in st.strategy.units], n, q.weights, q.grads, q.block, args.precision,
         A, gd) if q else theory.traffic_bytes(psi_padded, n, stage, args.precision,
                                               args.zero1_grad_op, A, gd))
-    return {
-        "run_id": args.run_id, "stage": stage, "name": theory.STAGE_NAMES[stage], "rank": comm.rank,
+    return _with_offload(st, {
+        "run_id": args.run_id, "stage": stage, "name": {"hsdp": "HSDP", "hpz": "hpZ"}[hy[0]] if hy else theory.STAGE_NAMES[stage], "rank": comm.rank,
         "world_size": n, "params_sha256": st.params_sha256,
         "backend": dist.get_backend(), "device": str(st.device), "precision": args.precision,
         "preset": args.preset, "model_config": st.cfg.__dict__, "num_params": psi,
@@ -47,6 +54,7 @@ def stage_result(st, ledger: list[dict]) -> dict:
         "zero3_prefetch": zero3_prefetch_depth(args) if stage == 3 else None,
         "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
         "quantize": ({"weights": q.weights, "grads": q.grads, "block": q.block} if q else None),
+        "hybrid": {"kind": hy[0], "ranks_per_node": hy[1]} if hy else None,
         "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
                  if args.link_gbps is not None else None),
         "tiers": ({"ranks_per_node": args.ranks_per_node, "intra": args.intra, "inter": args.inter}
@@ -61,20 +69,64 @@ def stage_result(st, ledger: list[dict]) -> dict:
                    "padding": padding_bytes(st.strategy.units, stage, args.precision, gd, **ladder),
                    **st.memory, "allocator": st.allocator, "checkpoint": st.checkpoint_memory},
         "theory": {
-            "model_states": theory.model_state_bytes(psi, n, stage, args.precision, grad_dtype=gd,
-                                                     **ladder),
-            "model_states_padded": theory.model_state_bytes(psi_padded, n, stage, args.precision,
-                                                            grad_dtype=gd, **ladder),
-            "peak_in_step_padded": theory.peak_step_bytes(psi_padded, n, stage, args.precision, gd,
-                                                          **ladder),
-            "traffic_per_step": theory.traffic_bytes(psi, n, stage, args.precision,
-                                                     args.zero1_grad_op, A, gd),
+            "model_states": theory.model_state_bytes(psi, states_n, stage, args.precision,
+                                                     grad_dtype=gd, **ladder),
+            "model_states_padded": theory.model_state_bytes(psi_padded, states_n, stage,
+                                                            args.precision, grad_dtype=gd, **ladder),
+            "peak_in_step_padded": theory.peak_step_bytes(psi_padded, states_n, stage,
+                                                          args.precision, gd, **ladder),
+            "traffic_per_step": (_by_op(tiers.hybrid_traffic_bytes(
+                psi, n, hy[1], hy[0], args.precision, A, gd)) if hy else theory.traffic_bytes(
+                psi, n, stage, args.precision, args.zero1_grad_op, A, gd)),
             "traffic_per_step_padded": traffic_padded,
+            "traffic_per_tier_padded": tiers_padded,     # --hybrid: {"world"|"intra"|"inter": {op: B}}
+            "secondary_params_padded": (tiers.hybrid_state_bytes(
+                psi_padded, n, hy[1], hy[0], args.precision, gd)["secondary_params"] if hy else None),
         },
-        "comm": {"bytes_per_step": comm.bytes_by_op(step=args.steps - 1), "records": ledger,
+        "comm": {"bytes_per_step": comm.bytes_by_op(step=args.steps - 1),
+                 "bytes_per_tier": bytes_by_tier(ledger, args.steps - 1), "records": ledger,
                  "time_sources": comm.time_sources()},
         "before_stage": st.leftover,
-    }
+    })
+
+
+def _with_offload(st, out: dict) -> dict:
+    """--offload-optimizer (zerolab.offload): the model states' formulas become the device's
+    (no master, no moments), the host's bytes are added next to theirs ("memory"."host",
+    "theory"."host_padded"), and "offload" holds the link, the transfers and each step's split."""
+    off = getattr(st.strategy, "offload", None)
+    out["offload"] = None
+    if off is None:
+        return out
+    args, n, stage, th = st.args, st.comm.world_size, st.stage, out["theory"]
+    gd, states = getattr(args, "grad_dtype", None), optimizer_ladder(args)["states"]
+    for key, psi in (("", out["num_params"]), ("_padded", out["num_params_padded"])):
+        th["model_states" + key] = device_bytes(psi, n, stage, args.precision, gd)
+        th["host" + key] = host_bytes(psi, n, args.precision, gd, states)
+    th["peak_in_step_padded"] = sum(th["model_states_padded"].values())    # no fp32 copy here
+    host = {k: st.memory["current"].get(k, 0) for k in HOST_STATES}
+    out["memory"].update(host=host, host_total=sum(host.values()))
+    out["offload"] = off.summary(stage, args.precision, gd, states, args.steps - 1)
+    return out
+
+
+def _by_op(per_tier: dict) -> dict[str, float]:
+    out = {op: 0.0 for op in theory.RING_FACTOR}
+    for ops in per_tier.values():
+        for op, b in ops.items():
+            out[op] += b
+    return out
+
+
+def bytes_by_tier(ledger: list[dict], step: int) -> dict[str, dict[str, float]]:
+    """Ledger bytes of `step` (grads and params) by the group they ran on - "world" (the whole
+    group), "intra" / "inter" (zerolab.tiers' sub-groups) - and by op."""
+    out: dict[str, dict[str, float]] = {}
+    for r in ledger:
+        if r["step"] == step and r["what"] in ("grads", "params"):
+            ops = out.setdefault(r.get("tier") or "world", {})
+            ops[r["op"]] = ops.get(r["op"], 0.0) + r["bytes"]
+    return out
 
 
 def compare_rows(runs: dict[int, list[dict]]) -> list[dict]:
@@ -97,8 +149,28 @@ def compare_rows(runs: dict[int, list[dict]]) -> list[dict]:
             "peak_tracked": max(r["memory"]["peak_total"] for r in ranks),
             "allocator_peak": max(((r["memory"].get("allocator") or {}).get("peak_absolute") or 0)
                                   for r in ranks),
+            "offload": offload_row(ranks) if r0.get("offload") else None,
         })
     return rows
+
+
+def offload_row(ranks: list[dict]) -> dict:
+    """--offload-optimizer's figures of one stage: host bytes (max over ranks) and formula,
+    bytes down / up in the last step (max over ranks) and formula, and rank 0's seconds per
+    step - down, host (the casts, the norm, AdamW), up, and the rest of the step (forward,
+    backward, collectives) - as the median over the steps but the first (warm-up) and the last
+    (run under the allocator cross-check), where there are others."""
+    r0, off = ranks[0], ranks[0]["offload"]
+    steps = list(zip(off["steps"], r0["step_times_s"][-len(off["steps"]):]))
+    steps = steps[1:-1] or steps[1:] or steps
+    split = {k: statistics.median(s[k] for s, _ in steps) for k in ("down_s", "host_s", "up_s")}
+    split["rest_s"] = statistics.median(t - s["down_s"] - s["host_s"] - s["up_s"]
+                                        for s, t in steps)
+    return {"host": max(r["memory"]["host_total"] for r in ranks),
+            "theory_host": sum(r0["theory"]["host_padded"].values()),
+            **{d: max(r["offload"]["bytes_per_step"][d] for r in ranks) for d in ("down", "up")},
+            **{"theory_" + d: off["bytes_per_step_formula"][d] for d in ("down", "up")},
+            "link": (off["link"] or {}).get("name"), "emulated": off["emulated"], **split}
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -111,6 +183,17 @@ def format_rows(rows: list[dict]) -> str:
                      f"{r['theory_states']:>12,.0f}{_ratio(r['model_states'], r['theory_states']):>7}"
                      f"{r['traffic']:>12,.0f}{r['theory_traffic']:>12,.0f}"
                      f"{_ratio(r['traffic'], r['theory_traffic']):>7}")
+        o = r.get("offload")
+        if o:                               # --offload-optimizer: the host's side
+            how = f"emulated {o['link']}" if o["emulated"] else "real"
+            lines.append(
+                f"{'  host':<8}{'':>11}{o['host']:>14,.0f}{o['theory_host']:>12,.0f}"
+                f"{_ratio(o['host'], o['theory_host']):>7}  PCIe down {o['down']:,.0f} + up "
+                f"{o['up']:,.0f} (formula {o['theory_down']:,.0f} + {o['theory_up']:,.0f}), {how}")
+            lines.append(f"{'  time':<8}  median step: transfers "
+                         f"{(o['down_s'] + o['up_s']) * 1e3:.1f} ms, host update "
+                         f"{o['host_s'] * 1e3:.1f} ms, the rest (forward, backward, "
+                         f"collectives) {o['rest_s'] * 1e3:.1f} ms")
     return "\n".join(lines)
 
 
