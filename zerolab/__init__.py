@@ -9,12 +9,18 @@ the few modules they stand on, read in this order, each importing only those abo
                 loop's zero_grad and edits taken in, placeholders that refuse sharded values
     hooks       when gradients are ready and when a block's backward begins and ends
     comm        every collective, recorded in a per-rank ledger (and labelled in a profile)
+    tiers       two tiers: a node's ranks and the ranks across nodes (their Comms, one ledger),
+                the hierarchical all_reduce, and the bytes per tier of ZeRO-3, HSDP and hpZ
     sharding    flat buffers, padding, owned ranges, buckets / blocks, gradient hooks
     optim       torch's AdamW on flat shards (decay groups, parameters without a gradient)
     memory      measured bytes by category, peaks, allocator cross-check
     quant       ZeRO++'s quantized collectives: qwZ's int8 weight all_gather, qgZ's int8/int4
                 gradient all_to_all (block-wise scales; ZeRO-3's `quantize=`)
+    offload     ZeRO-Offload: ZeRO-1/2's optimizer states and AdamW on the host, gradients down
+                and updated weights up over PCIe (real on CUDA, emulated on a CPU; `offload=`)
     ddp, zero1, zero2, zero3   the strategies: __init__ / forward / backward / step
+    hybrid      ZeRO-3 by node: HSDP (FSDP's HYBRID_SHARD) and ZeRO++'s hpZ, as ZeRO3 with
+                its hooks overridden
 
 Everything else lives in four wings, sub-folders the lesson never imports, and one door:
 

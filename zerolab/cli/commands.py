@@ -1,5 +1,5 @@
 """The `zerolab` command: memory | time | whatif | train | compare | bench | labs | checkpoint |
-check | doctor.
+check | doctor | slurm.
 
     zerolab memory --params 7.5e9 --world-size 64     # the ZeRO paper's table, from the formulas
     zerolab train --stage 2 --nproc 4                  # one stage under torchrun
@@ -8,6 +8,7 @@ check | doctor.
     zerolab check ddp --impl my_ddp.py                 # grade an exercise (course/exercises/)
     zerolab doctor                                     # is this machine ready for the course?
     zerolab checkpoint consolidate DIR OUT             # sharded checkpoint -> plain GPT state dict
+    srun zerolab slurm train --nproc 8                 # one launcher per node (scripts/slurm/)
 
 Each subcommand is a few lines that hand over to the package: the training options and their
 checks are `zerolab.run.options`, a launch is `zerolab.run.job`. Every subcommand checks its
@@ -23,7 +24,7 @@ import re
 import sys
 from pathlib import Path
 
-from .. import theory
+from .. import offload, theory
 from ..run import job, options
 from ..run.folders import atomic_json
 from ..run.launch import LaunchError, LaunchInterrupted, run_torchrun
@@ -54,9 +55,24 @@ def count(text):
 count.__name__ = "parameter count"
 
 
+def ranks(text):
+    """An argparse type for N as people write it: 1024 or 1e6 (a whole number, >= 1)."""
+    try:
+        n = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        n = None
+    if n is None or n != n or n in (float("inf"), float("-inf")) or n != int(n) or n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks >= 1 (e.g. "
+                                         f"1024 or 1e6)")
+    return int(n)
+
+
+ranks.__name__ = "world size"
+
+
 FORMULA = {
     "params": (("--params",), dict(type=count, default=7.5e9, help="Ψ, e.g. 7.5e9, 7.5B, 125M")),
-    "world_size": (("--world-size",), dict(type=int, default=64, help="data-parallel ranks N")),
+    "world_size": (("--world-size",), dict(type=ranks, default=64, help="data-parallel ranks N")),
     "precision": (("--precision",), dict(default="bf16", choices=("bf16", "fp32"),
                                          help="bytes per gradient and weight")),
     "grad_dtype": (("--grad-dtype",), dict(default=None, choices=("bf16", "fp32"), help=(
@@ -205,13 +221,21 @@ def build_parser() -> argparse.ArgumentParser:
                           "timing; strategy_ddp, strategy_zero1 (--list)")
     chk.add_argument("--impl", default=None, help="your .py file (or a dotted module)")
     chk.add_argument("--nproc", type=int, default=3, help="gloo ranks, 2-4")
-    chk.add_argument("--timeout", type=float, default=90, help="seconds before the ranks are killed")
+    chk.add_argument("--timeout", type=positive_number, default=90,
+                     help="seconds the whole check may take before every process is stopped")
+    chk.add_argument("--call-timeout", type=positive_number, default=20, metavar="S", help=(
+        "seconds one call of your function may take: longer is a hang, stopped and named"))
     chk.add_argument("--list", action="store_true", help="list the exercises and their skeletons")
     chk.add_argument("--hint", nargs="?", const="1", default=None, metavar="K",
                      help="print hint K (default 1) for EXERCISE instead of checking: 1 is a "
                           "nudge, the last almost the code")
 
     command("doctor", "check this machine for the course (each line OK or the fix; < 30 s)")
+
+    sl = command("slurm", "under srun, one task per node: train / compare across the job's "
+                          "nodes, rendezvous from Slurm (run/slurm.py, scripts/slurm/zerolab.sbatch)")
+    sl.add_argument("zerolab", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                    help="a zerolab command line: train ..., compare ..., labs ...")
 
     ck = sub.add_parser("checkpoint", help="work with saved checkpoints (zerolab train --save-every)")
     actions = ck.add_subparsers(dest="action", required=True)
@@ -238,6 +262,9 @@ def cmd_memory(args) -> int:
           "--optimizer-states, --master-rounding): bytes per parameter, then GB per rank")
     from ..course.ladder import format_state_ladder
     print(format_state_ladder(args.params, args.world_size))
+    print("\nZeRO-Offload (zerolab train --offload-optimizer; zerolab/offload.py): optimizer "
+          "states and AdamW on the host, GB per rank")
+    print(offload.format_table(args.params, args.world_size, args.precision, args.grad_dtype))
     print(f"\nbytes sent per rank per step (ring algorithm, {args.precision} grads/params), GB")
     for stage in theory.STAGES:
         variants = ("all_reduce", "reduce_scatter") if stage == 1 else ("all_reduce",)
@@ -360,6 +387,13 @@ def cmd_check(args) -> int:
     return cli_check(args)
 
 
+def cmd_slurm(args) -> int:
+    from ..run import slurm
+    cmd = slurm.command(args.zerolab, os.environ)           # ValueError: outside a job step
+    print(slurm.announce(args.zerolab, cmd, os.environ), flush=True)
+    return 0 if cmd is None else main(cmd)
+
+
 def cmd_doctor(args) -> int:
     from ..course.doctor import main as doctor_main
     return doctor_main()
@@ -367,7 +401,8 @@ def cmd_doctor(args) -> int:
 
 COMMANDS = {"memory": cmd_memory, "time": cmd_time, "whatif": cmd_whatif, "bench": cmd_bench,
             "train": cmd_train, "compare": cmd_compare, "labs": cmd_labs,
-            "checkpoint": cmd_checkpoint, "check": cmd_check, "doctor": cmd_doctor}
+            "checkpoint": cmd_checkpoint, "check": cmd_check, "doctor": cmd_doctor,
+            "slurm": cmd_slurm}
 
 
 def main(argv=None) -> int:
