@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 LABS = ("lab1_memory_by_stage", "lab2_traffic_by_stage", "lab3_step_timeline", "lab4_scaling",
-        "lab5_same_training", "lab6_time_by_stage")
+        "lab5_same_training", "lab6_time_by_stage", "lab8_tiers")
 
 
 def _keys():
