@@ -134,13 +134,22 @@ def refuse_worker(rank, n):
     for call in (lambda: HSDP(make_model("nano"), Comm(), ranks_per_node=2,
                               find_unused_parameters=True),
                  lambda: make_hybrid("hpz", make_model("nano"), Comm(), ranks_per_node=3),
-                 lambda: make_hybrid("mics", make_model("nano"), Comm(), ranks_per_node=2)):
+                 lambda: make_hybrid("mics", make_model("nano"), Comm(), ranks_per_node=2),
+                 lambda: edit_by_node(HSDP(make_model("nano"), Comm(), ranks_per_node=2))):
         try:
             call()
             said.append(None)
-        except ValueError as err:
+        except (ValueError, RuntimeError) as err:
             said.append(str(err))
     return said
+
+
+def edit_by_node(s):
+    """The same edit on both ranks of a node, another on the other node: replicas would part."""
+    import torch.distributed as dist
+    with s.gathered():
+        with torch.no_grad():
+            s.model.wte.weight.add_(float(dist.get_rank() // 2))
 
 
 @pytest.mark.timeout(120)
@@ -149,6 +158,7 @@ def test_unsupported_patterns_are_refused_in_one_line_on_every_rank():
         assert all(s is not None and "\n" not in s for s in said), said
         assert "find_unused_parameters" in said[0]
         assert "ranks_per_node 3" in said[1] and "mics" in said[2]
+        assert "changed the weights differently" in said[3]
 
 
 def test_cli_refuses_bad_hybrid_options_in_one_line():

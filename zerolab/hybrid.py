@@ -33,7 +33,7 @@ import contextlib
 
 import torch
 
-from .guards import sync_module_states, take_replaced
+from .guards import check_edits, fingerprint, sync_module_states, take_replaced
 from .sharding import alloc_storage, storage_bytes
 from .tiers import node_comms
 from .zero3 import ZeRO3
@@ -65,10 +65,14 @@ class HSDP(ZeRO3):
 
     @contextlib.contextmanager
     def gathered(self, modifier_rank=None):
-        """ZeRO3.gathered, with modifier_rank a rank of the world: its weights reach every node."""
+        """ZeRO3.gathered, with modifier_rank a rank of the world: its weights reach every node.
+        Without it, edits must be the same on every rank of every node (RuntimeError otherwise:
+        ZeRO-3's check covers a node only, and nodes that kept different edits would diverge)."""
         with super().gathered() as out:
             yield out
-            if modifier_rank is not None:
+            if modifier_rank is None:
+                check_edits(self.world, self.units, fingerprint(self.units))
+            else:
                 with self.world.phase("eval"):
                     for u in self.units:
                         take_replaced(u, u.param_flat)
