@@ -161,6 +161,7 @@ def test_cuda_path_synchronises_the_host_once_per_step_not_per_collective(monkey
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     c = object.__new__(comm_mod.Comm)       # no process group: the host-side logic only
     c.group, c.rank, c.world_size, c.backend = None, 0, 8, "nccl"
+    c.root, c.tier, c.children = c, "", []       # (Comm.__init__ sets these; step and phase live at the root)
     c.records, c.step, c.current_phase, c._pending, c.link = [], 0, "backward", [], None
     handles = [c._issue("all_gather" if i % 2 else "reduce_scatter", _FakeCudaTensor(1 << 20),
                         "grads", f"block.{i}", True, lambda w=w: w) for i, w in enumerate(works)]

@@ -252,7 +252,7 @@ def test_interrupting_zerolab_labs_stops_the_whole_run(tmp_path, sig):
         proc.kill()
         pytest.fail("zerolab labs did not stop within 60 s:\n" + "".join(seen))
     assert proc.returncode == 130, "".join(seen) + rest
-    assert "lab2_next" not in rest                 # the next lab never started
+    assert "lab2_next" not in rest, "".join(seen) + rest     # the next lab never started
     report = (out / "report.md").read_text()
     assert "interrupted" in report.lower() and "1 of 2 labs" in report
     assert json.loads((out / "run.json").read_text())["status"] == "interrupted"

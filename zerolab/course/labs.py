@@ -307,7 +307,7 @@ def run_labs(args) -> int:
 
 
 def _run_books(books, out, overrides, timeout, run_id) -> int:
-    from ..run.launch import LaunchError, LaunchInterrupted, run
+    from ..run.launch import TERMINATED, LaunchError, LaunchInterrupted, run
     from .nb import own_kernel
     kernel, env = own_kernel(out / ".jupyter")      # this interpreter, whatever kernelspecs exist
     results = []
@@ -330,6 +330,9 @@ def _run_books(books, out, overrides, timeout, run_id) -> int:
             status, error = "interrupted", interrupted
         except LaunchError as err:
             status, error = "FAILED", _error_text(err)
+        if TERMINATED and not interrupted:  # a signal whose exception was lost: stop anyway
+            interrupted = f"terminated ({TERMINATED[-1]}): all ranks were stopped"
+            status, error = "interrupted", interrupted
         _tag_notebook(out / book.name, run_id)
         seconds = time.perf_counter() - t0
         summary = {}

@@ -162,6 +162,7 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     deadline = time.monotonic() + timeout
     previous = {}
     if threading.current_thread() is threading.main_thread():   # SIGTERM / SIGHUP: clean up too
+        TERMINATED.clear()
         previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     died_at, said = None, False
     held, held_at = [], 0.0     # a traceback being printed: echoed once it is not explained
@@ -174,6 +175,8 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         while True:
+            if TERMINATED:                      # received, its exception lost on the way
+                raise _Terminated(TERMINATED[-1])
             now = time.monotonic()
             tree.scan()
             if held and now > held_at + 10:    # the run went on: it was not its end
@@ -252,7 +255,14 @@ class _Terminated(Exception):
     """SIGTERM or SIGHUP reached the launching process."""
 
 
+#: the signals `run` received (SIGTERM / SIGHUP), newest last: also checked in its loop and by a
+#: caller between launches (`zerolab labs`), in case the raised _Terminated was swallowed by code
+#: it interrupted (seen under heavy load: a lab ran to its timeout, the next one started)
+TERMINATED: list[str] = []
+
+
 def _raise_terminated(signum, _frame):
+    TERMINATED.append(signal.Signals(signum).name)
     raise _Terminated(signal.Signals(signum).name)
 
 
