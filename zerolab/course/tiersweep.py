@@ -88,12 +88,10 @@ def model_units(preset: str, nproc: int, batch_size: int, compute_s: float) -> l
 
 def _model_kwargs(name: str) -> dict:
     spec = VARIANTS[name]
-    per = {}
-    if spec.get("quantize_weights"):
-        per["params"] = 1 + theory.SCALE_BYTES / quant.DEFAULT_BLOCK
-    if spec.get("quantize_grads"):
-        per["grads"] = theory.QUANT_BITS[spec["quantize_grads"]] / 8 + \
-            theory.SCALE_BYTES / quant.DEFAULT_BLOCK
+    b = quant.DEFAULT_BLOCK                 # bytes per element of one block, codes + its scale
+    per = {state: theory.quantized_bytes(b, theory.QUANT_BITS[spec[key]], b) / b
+           for state, key in (("params", "quantize_weights"), ("grads", "quantize_grads"))
+           if spec.get(key)}
     return {"hybrid": spec.get("hybrid"), "bytes_per_param": per or None}
 
 

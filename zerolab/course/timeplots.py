@@ -317,21 +317,29 @@ def time_by_stage(rows: list[dict]):
     fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4), squeeze=False)
     for ax, link in zip(axes[0], links):
         sub = [r for r in rows if r["link"] == link]
-        x = range(len(sub))
-        med = [r["median_s"] * 1e3 for r in sub]
-        err = [[m - r["min_s"] * 1e3 for m, r in zip(med, sub)],
-               [r["max_s"] * 1e3 - m for m, r in zip(med, sub)]]
-        ax.bar(x, med, 0.6, yerr=err, color="C0", alpha=0.7, capsize=3, label="measured (median, min-max)")
-        ax.plot(x, [r["model_s"] * 1e3 for r in sub], "_", color="k", ms=22, mew=2,
-                label="model, with overlap")
-        ax.plot(x, [r["serial_s"] * 1e3 for r in sub], "o", mfc="none", color="k",
-                label="model, no overlap")
-        ax.set_xticks(list(x), [r["label"] for r in sub], rotation=20, fontsize=8)
-        ax.set(ylabel="step time (ms)", title=f"emulated link {link}")
-        ax.set_ylim(0, max(max(r["max_s"], r["serial_s"]) for r in sub) * 1e3 * 1.1)
+        measured_vs_model(ax, sub)
+        ax.set_xticks(range(len(sub)), [r["label"] for r in sub], rotation=20, fontsize=8)
+        ax.set(title=f"emulated link {link}")
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
     fig.tight_layout()
     return fig
+
+
+def measured_vs_model(ax, rows: list[dict]):
+    """Per row, the measured median step time (bar, min-max whisker) next to the cost model's
+    prediction with overlap (black tick) and without (open circle), in ms (labs 6 and 8).
+    rows: {"median_s", "min_s", "max_s", "model_s", "serial_s"}."""
+    x = range(len(rows))
+    med = [r["median_s"] * 1e3 for r in rows]
+    err = [[m - r["min_s"] * 1e3 for m, r in zip(med, rows)],
+           [r["max_s"] * 1e3 - m for m, r in zip(med, rows)]]
+    ax.bar(x, med, 0.6, yerr=err, color="C0", alpha=0.7, capsize=3, label="measured (median, min-max)")
+    ax.plot(x, [r["model_s"] * 1e3 for r in rows], "_", color="k", ms=22, mew=2,
+            label="model, with overlap")
+    ax.plot(x, [r["serial_s"] * 1e3 for r in rows], "o", mfc="none", color="k",
+            label="model, no overlap")
+    ax.set(ylabel="step time (ms)")
+    ax.set_ylim(0, max(max(r["max_s"], r["serial_s"]) for r in rows) * 1e3 * 1.1)
 
 
 TIER_HATCH = {"world": "", "intra": "..", "inter": "//"}     # the group a collective ran on
@@ -346,17 +354,9 @@ def tiers_sweep(rows: list[dict]):
     rows: `zerolab.course.tiersweep.table`."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     x = list(range(len(rows)))
-    med = [r["median_s"] * 1e3 for r in rows]
-    err = [[m - r["min_s"] * 1e3 for m, r in zip(med, rows)],
-           [r["max_s"] * 1e3 - m for m, r in zip(med, rows)]]
-    ax.bar(x, med, 0.6, yerr=err, color="C0", alpha=0.7, capsize=3, label="measured (median, min-max)")
-    ax.plot(x, [r["model_s"] * 1e3 for r in rows], "_", color="k", ms=22, mew=2,
-            label="model, with overlap")
-    ax.plot(x, [r["serial_s"] * 1e3 for r in rows], "o", mfc="none", color="k",
-            label="model, no overlap")
+    measured_vs_model(ax, rows)
     ax.set_xticks(x, [r["name"] for r in rows], fontsize=9)
-    ax.set(ylabel="step time (ms)", title="step time on two emulated tiers")
-    ax.set_ylim(0, max(max(r["max_s"], r["serial_s"]) for r in rows) * 1e3 * 1.1)
+    ax.set(title="step time on two emulated tiers")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     for i, r in enumerate(rows):
         bottom = 0.0
