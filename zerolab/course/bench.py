@@ -8,7 +8,9 @@ FSDP2 `fully_shard` with reshard_after_forward True (ZeRO-3-like) and False (ZeR
 round runs one optimizer step of every system, in an order rotated each round so that no system
 always follows the same neighbour; a barrier precedes each timed step; a step's time is the
 slowest rank's. Reported: median step time, spread (min-max over rounds), ratios to torch DDP
-and to FSDP2, model-state bytes per rank between steps, the peak bytes per rank during a step
+and to FSDP2 by three estimators (the median and the minimum of the wall time, and the median of
+the CPU seconds the rank's process spent in the step, gloo's threads included: less sensitive to
+a neighbour's load on a shared machine), model-state bytes per rank between steps, the peak bytes per rank during a step
 (MemTracker over one extra untimed step of every system, the same way for each: the states held
 before it plus activations, gradients, buckets, gathered weights and temporaries; the largest
 over ranks), and bytes and collectives per step (torch's systems counted by a TorchDispatchMode
@@ -294,40 +296,46 @@ def run(args) -> dict | None:
     systems = [System(name, cfg, args, comm) for name in check_args(args, n)]
     tokens, _ = load_tokens(None, cfg.block_size)
     times = {s.name: [] for s in systems}
+    cpu = {s.name: [] for s in systems}             # process CPU seconds (gloo's threads too)
     for r in range(args.warmup + args.rounds):
         x, y = get_batch(tokens, r, args.batch_size, cfg.block_size, args.seed)
         x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
         k = r % len(systems)
         for s in systems[k:] + systems[:k]:             # rotate the order every round
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             s.step(x, y)
             if r >= args.warmup:
                 times[s.name].append(time.perf_counter() - t0)
+                cpu[s.name].append(time.process_time() - c0)
     x, y = get_batch(tokens, 0, args.batch_size, cfg.block_size, args.seed)
     x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
     traffic = {s.name: count_traffic(s, x, y) for s in systems}
     memory = {s.name: s.state_bytes() for s in systems}
     peaks = {s.name: peak_bytes(s, x, y) for s in systems}
     gathered = [None] * n
-    dist.all_gather_object(gathered, (times, peaks))
+    dist.all_gather_object(gathered, (times, peaks, cpu))
     if rank != 0:
         return None
     rows = []
     for s in systems:
         slowest = slowest_rank([g[0] for g in gathered], s.name, args.rounds)
+        cpu_s = slowest_rank([g[2] for g in gathered], s.name, args.rounds)
         rows.append({"system": s.name, "median_s": statistics.median(slowest),
+                     "cpu_median_s": statistics.median(cpu_s), "cpu_s": cpu_s,
                      "min_s": min(slowest), "max_s": max(slowest), "times_s": slowest,
                      "state_bytes": memory[s.name],
                      "peak_bytes": max(g[1][s.name] for g in gathered),
                      "peak_bytes_by_rank": [g[1][s.name] for g in gathered],
                      "bytes_per_step": traffic[s.name][0],
                      "collectives_per_step": traffic[s.name][1]})
-    ref = {r["system"]: r["median_s"] for r in rows}
+    ref = {r["system"]: r for r in rows}
     for row in rows:
-        row["vs_torch_ddp"] = row["median_s"] / ref["torch-ddp"] if "torch-ddp" in ref else None
-        row["vs_fsdp2"] = (row["median_s"] / ref["fsdp2-reshard"] if "fsdp2-reshard" in ref
-                           else None)
+        for key, est in (("", "median_s"), ("_min", "min_s"), ("_cpu", "cpu_median_s")):
+            row["vs_torch_ddp" + key] = (row[est] / ref["torch-ddp"][est] if "torch-ddp" in ref
+                                         else None)
+        row["vs_fsdp2"] = (row["median_s"] / ref["fsdp2-reshard"]["median_s"]
+                           if "fsdp2-reshard" in ref else None)
     with torch.device("meta"):
         psi = num_params(GPT(cfg))
     return {"preset": args.preset, "world_size": n, "num_params": psi, "rounds": args.rounds,
@@ -347,7 +355,8 @@ def format_table(summary: dict) -> str:
              + (f", emulated link {link['gbps']} Gb/s + {link['latency_us']} us" if link else "")
              + (f", zerolab buckets {summary['bucket_mb']:g} MiB" if summary.get("bucket_mb")
                 else ""),
-             f"{'system':<24}{'median ms':>10}{'min-max ms':>16}{'x torch DDP':>12}{'x FSDP2':>9}"
+             f"{'system':<24}{'median ms':>10}{'min-max ms':>16}{'x torch DDP':>12}{'min':>6}"
+             f"{'cpu':>6}{'x FSDP2':>9}"
              f"{'states MB':>11}{'B/Ψ':>6}{'peak MB':>9}{'moved MB':>10}{'colls':>7}"]
     psi = summary.get("num_params")
     for r in summary["rows"]:
@@ -355,13 +364,15 @@ def format_table(summary: dict) -> str:
         spread = f"{r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}"
         per_param = f"{r['state_bytes'] / psi:.1f}" if psi else "-"
         lines.append(f"{r['system']:<24}{r['median_s'] * 1e3:>10.1f}{spread:>16}"
-                     f"{ratio(r['vs_torch_ddp']):>12}{ratio(r['vs_fsdp2']):>9}"
+                     f"{ratio(r['vs_torch_ddp']):>12}{ratio(r.get('vs_torch_ddp_min')):>6}"
+                     f"{ratio(r.get('vs_torch_ddp_cpu')):>6}{ratio(r['vs_fsdp2']):>9}"
                      f"{r['state_bytes'] / 1e6:>11.2f}{per_param:>6}{r['peak_bytes'] / 1e6:>9.2f}"
                      f"{r['bytes_per_step'] / 1e6:>10.2f}"
                      f"{r['collectives_per_step']:>7}")
     names = [r["system"] for r in summary["rows"]]
     lines += textwrap.wrap(
-        "x torch DDP / x FSDP2: median step time over torch-ddp's / fsdp2-reshard's. states: "
+        "x torch DDP / x FSDP2: median step time over torch-ddp's / fsdp2-reshard's; min, cpu: "
+        "the same ratio to torch DDP of the fastest round, and of the median CPU seconds. states: "
         "model-state bytes per rank between steps; B/Ψ: states per parameter - fp32, so zerolab "
         "DDP holds 20 (weight, gradient, fp32 master copy, exp_avg, exp_avg_sq: 4 each; zerolab "
         "keeps the master copy in fp32 runs too) and torch DDP 16 (AdamW updates the weights in "
