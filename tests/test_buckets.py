@@ -50,6 +50,8 @@ def _worker(rank, n):
     import torch.distributed as dist
 
     from zerolab import STRATEGIES
+
+    from zerolab.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.memory import MemoryMeter
     from zerolab.zero2 import ZeRO2
@@ -62,7 +64,7 @@ def _worker(rank, n):
             kwargs = dict(max_grad_norm=job["max_norm"], lr=LR, weight_decay=WD,
                           find_unused_parameters=job.get("find_unused", False),
                           bucket_mb=job["bucket_mb"], **({"grad_op": grad_op} if grad_op else {}))
-            s = STRATEGIES[stage](model, comm, **kwargs)
+            s = make_strategy(stage, model, comm, **kwargs)
             losses, norms = train_job(s, model, job, rank, n, STEPS)
             last = [r for r in comm.records if r.step == STEPS - 1]
             out[key, stage, grad_op] = {

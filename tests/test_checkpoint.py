@@ -434,9 +434,10 @@ def _train_steps(strategy, model, job, rank, n, start, stop):
 
 def _strategy(stage, model, job, **kwargs):
     from zerolab import STRATEGIES
+    from zerolab.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.course.testing import LR, WD
-    return STRATEGIES[stage](model, Comm(), max_grad_norm=job["max_norm"], lr=LR, weight_decay=WD,
+    return make_strategy(stage, model, Comm(), max_grad_norm=job["max_norm"], lr=LR, weight_decay=WD,
                              find_unused_parameters=job.get("find_unused", False), **kwargs)
 
 

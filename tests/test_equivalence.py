@@ -27,6 +27,8 @@ def train_worker(rank, n, jobs):
     import torch.distributed as dist
 
     from zerolab import STRATEGIES
+
+    from zerolab.compose import make_strategy
     from zerolab.comm import Comm
 
     out = []
@@ -41,7 +43,7 @@ def train_worker(rank, n, jobs):
                 kwargs["prefetch"] = grad_op == "prefetch"
             elif grad_op:
                 kwargs["grad_op"] = grad_op
-            s = STRATEGIES[stage](model, comm, **kwargs)
+            s = make_strategy(stage, model, comm, **kwargs)
             losses, norms = train_job(s, model, job, rank, n, STEPS)
             results[(stage, grad_op)] = {"losses": losses, "norms": norms,
                                          "params": s.full_parameters(),
@@ -224,6 +226,7 @@ def test_params_used_on_some_ranks_none_or_frozen_later_match(runs2):
 def refusing_worker(rank, n):
     """Situations a strategy refuses at once, with one line naming the parameter."""
     from zerolab import STRATEGIES
+    from zerolab.compose import make_strategy
     from zerolab.comm import Comm
 
     out = {}

@@ -27,12 +27,13 @@ BF16_ACCUM = dict(NANO, precision="bf16", grad_accum=2, rows_per_micro=1, lr=1e-
 
 def _strategy(stage, grad_op, model, comm, job, gather, **kw):
     from zerolab import STRATEGIES
+    from zerolab.compose import make_strategy
     kwargs = dict(max_grad_norm=job["max_norm"], lr=job.get("lr", testing.LR),
                   weight_decay=testing.WD, find_unused_parameters=job.get("find_unused", False),
                   gather=gather, **kw)
     if grad_op:
         kwargs["grad_op"] = grad_op
-    return STRATEGIES[stage](model, comm, **kwargs)
+    return make_strategy(stage, model, comm, **kwargs)
 
 
 def train(s, model, job, rank, n, steps, start=0, marks=None, meter=None):
@@ -260,18 +261,25 @@ def test_readers_between_step_and_forward_get_full_weights_or_one_line(tmp_path)
 
 
 def test_unknown_gather_mode_is_refused():
+    """A bad mode is one line naming the accepted ones; the lesson's classes take no variant's
+    option at all and say where it goes (zerolab.compose), before anything is built."""
     from zerolab import ZeRO1, ZeRO2
-    for cls in (ZeRO1, ZeRO2):
+    from zerolab.compose import make_strategy
+    for stage, cls in ((1, ZeRO1), (2, ZeRO2)):
         with pytest.raises(ValueError, match="before_forward"):
-            cls(torch.nn.Linear(2, 2), comm=None, gather="later")
+            make_strategy(stage, torch.nn.Linear(2, 2), None, gather="later")
+        with pytest.raises(TypeError, match="compose.make_strategy"):
+            cls(torch.nn.Linear(2, 2), comm=None, gather="before_forward")
+    with pytest.raises(ValueError, match="ZeRO-1 and ZeRO-2's"):
+        make_strategy(3, torch.nn.Linear(2, 2), None, gather="before_forward")
 
 
 def test_the_option_reaches_the_strategy_from_every_door():
     """--zero12-gather (nb.launch's zero12_gather=) is parsed, checked, passed on to the ranks and
-    given to ZeRO-1 / ZeRO-2 by run/stage.py; its default is hooks.DEFAULT_GATHER."""
+    given to ZeRO-1 / ZeRO-2 by run/stage.py; its default is placement.DEFAULT_GATHER."""
     import types
 
-    from zerolab.hooks import DEFAULT_GATHER
+    from zerolab.placement import DEFAULT_GATHER
     from zerolab.run import options, stage
 
     assert options.parse("ranks", []).zero12_gather == DEFAULT_GATHER

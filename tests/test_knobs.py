@@ -10,7 +10,7 @@ from conftest import global_batch, make_model, run_ranks
 
 from zerolab.comm import Comm
 from zerolab.memory import MemoryMeter
-from zerolab.zero3 import ZeRO3
+from zerolab.compose import make_strategy
 
 CONFIGS = [(0, False), (1, False), (2, False), (-1, False), (0, True)]
 
@@ -20,7 +20,8 @@ def _train(rank, world_size):
     for depth, keep_root in CONFIGS:
         model = make_model("nano4")
         meter = MemoryMeter()
-        z = ZeRO3(model, comm, prefetch=depth, keep_root=keep_root, meter=meter, lr=1e-2)
+        z = make_strategy(3, model, comm, prefetch=depth, keep_root=keep_root, meter=meter,
+                          lr=1e-2)
         comm.records.clear()
         after_forward = []
         for step in range(2):

@@ -31,7 +31,7 @@ def lint(root: Path) -> subprocess.CompletedProcess:
 def test_the_contracts_hold():
     res = lint(ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "3 kept, 0 broken" in res.stdout, res.stdout
+    assert "4 kept, 0 broken" in res.stdout, res.stdout
 
 
 @pytest.fixture
@@ -53,6 +53,9 @@ def copy(tmp_path):
     # a strategy importing another: the strategies stay independent (diff them, don't chain them)
     ("zero3.py", "from . import zero2", "lesson -> timing -> run -> course -> cli",
      "zerolab.zero3 is not allowed to import zerolab.zero2"),
+    # a variant reaching into a stage's file (what ZeRO-1/2's offload and gather branches were)
+    ("zero2.py", "from . import placement", "import no variant",
+     "zerolab.zero2 is not allowed to import zerolab.placement"),
     # a circle inside one wing (what labs -> nb -> cli -> labs was)
     ("course/results.py", "from . import plots", "no import circles",
      "It could be made acyclic"),
@@ -106,7 +109,8 @@ def test_readme_tree_matches_the_disk():
 def test_the_top_of_the_package_is_the_lesson():
     """Only the lesson's modules (and the package's two doors) lie at the top of zerolab/."""
     lesson = {"theory", "model", "data", "guards", "hooks", "comm", "sharding", "optim", "memory",
-              "quant", "offload", "tiers", "ddp", "zero1", "zero2", "zero3", "hybrid"}
+              "quant", "offload", "tiers", "strategy", "ddp", "zero1", "zero2", "zero3", "hybrid",
+              "placement", "prefetch", "zero1rs", "loopstep", "compose"}
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__"}
     assert top == lesson
     doc = (PACKAGE / "__init__.py").read_text()
@@ -133,3 +137,25 @@ def test_learners_doors_still_open():
     res = subprocess.run([sys.executable, "-m", "zerolab", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0 and "compare" in res.stdout
+
+
+def test_no_module_imports_its_own_packages_door():
+    """A package's __init__ is its door: it imports its modules, never the other way round (what
+    course/exercises was: its checker, hints and track imported EXERCISES from the package's
+    __init__, which imports the checker - a circle import-linter's sibling contract does not
+    see). So `from . import X` inside a package names one of its modules, never a name its
+    __init__ defines."""
+    import ast
+    found = []
+    for init in PACKAGE.rglob("__init__.py"):
+        folder = init.parent
+        modules = {p.stem for p in folder.glob("*.py")} | {d.name for d in folder.iterdir()
+                                                           if (d / "__init__.py").exists()}
+        for path in folder.glob("*.py"):
+            if path.name == "__init__.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
+                    found += [f"{path.relative_to(ROOT)}: from . import {a.name}"
+                              for a in node.names if a.name not in modules]
+    assert not found, found

@@ -26,6 +26,8 @@ import torch.nn as nn
 from conftest import run_ranks
 
 from zerolab import STRATEGIES
+
+from zerolab.compose import make_strategy
 from zerolab.timing import hardware
 from zerolab.timing import costmodel
 from zerolab.comm import Comm
@@ -117,7 +119,7 @@ def _steps(rank, world_size, steps):
         torch.manual_seed(0)
         model = SleepNet()
         kw = {"prefetch": prefetch} if stage == 3 else {}
-        strategy = STRATEGIES[stage](model, comm, **kw)
+        strategy = make_strategy(stage, model, comm, **kw)
         x, y = torch.randn(4, 256), torch.randn(4, 256)
         times = {True: [], False: []}
         for i in range(2 * steps):

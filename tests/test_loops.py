@@ -150,6 +150,8 @@ def loop_worker(rank, n, loops):
     import torch.distributed as dist
 
     from zerolab import STRATEGIES
+
+    from zerolab.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.model import GPT
 
@@ -161,7 +163,7 @@ def loop_worker(rank, n, loops):
             if name in NOT_RUN.get(loop, ()):
                 continue
             model = build(loop, seed=rank if loop == "seed_per_rank" else 0, ac=ac)
-            s = STRATEGIES[stage](model, Comm(), lr=LR, weight_decay=WD, **kw)
+            s = make_strategy(stage, model, Comm(), lr=LR, weight_decay=WD, **kw)
             try:
                 evals = run_loop(loop, s, model, rank, n)
                 out[(loop, name)] = {"params": s.full_parameters(), "evals": evals}
@@ -358,6 +360,8 @@ def reads_worker(rank, n):
     import torch.distributed as dist
 
     from zerolab import STRATEGIES
+
+    from zerolab.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.model import num_params
     from zerolab.sharding import storage_bytes

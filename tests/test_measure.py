@@ -76,6 +76,7 @@ def measure_worker(rank, n, model_name, precision, grad_accum, grad_dtype=None):
     of that step (grads+params by theory's ops, and all kinds), the dispatch-mode bytes, the
     meter's peak inside the optimizer step and the allocator's (MemTracker) over the step."""
     from zerolab import STRATEGIES
+    from zerolab.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.memory import MemoryMeter
     from zerolab.model import num_params
@@ -87,7 +88,7 @@ def measure_worker(rank, n, model_name, precision, grad_accum, grad_dtype=None):
         comm, meter = Comm(), MemoryMeter()
         kwargs = ({"prefetch": True} if grad_op == "prefetch" else {"grad_op": grad_op} if grad_op
                   else {"prefetch": False} if stage == 3 else {})
-        s = STRATEGIES[stage](model, comm, max_grad_norm=1.0, lr=1e-3, weight_decay=0.1,
+        s = make_strategy(stage, model, comm, max_grad_norm=1.0, lr=1e-3, weight_decay=0.1,
                               meter=meter, grad_dtype=DTYPES[grad_dtype] if grad_dtype else None,
                               **kwargs)
         watch = _watch_c10d()

@@ -156,8 +156,8 @@ STEPS = 8
 
 
 def zero3_worker(rank, n):
-    from zerolab import ZeRO3
     from zerolab.comm import Comm
+    from zerolab.compose import make_strategy
     from zerolab.data import get_batch, load_tokens, rank_slice
     tokens, _ = load_tokens(None, 32)
     x, y = get_batch(tokens, 0, 8, 32, 0)                               # one batch, memorised
@@ -165,8 +165,8 @@ def zero3_worker(rank, n):
     out = {}
     for name, spec in SPECS.items():
         comm = Comm()
-        s = ZeRO3(make_model("nano").to(torch.bfloat16), comm, quantize=spec, lr=3e-3,
-                  max_grad_norm=1.0)
+        s = make_strategy(3, make_model("nano").to(torch.bfloat16), comm, quantize=spec,
+                          lr=3e-3, max_grad_norm=1.0)
         losses = []
         for step in range(STEPS):
             comm.step = step

@@ -14,13 +14,23 @@ the few modules they stand on, read in this order, each importing only those abo
     sharding    flat buffers, padding, owned ranges, buckets / blocks, gradient hooks
     optim       torch's AdamW on flat shards (decay groups, parameters without a gradient)
     memory      measured bytes by category, peaks, allocator cross-check
-    quant       ZeRO++'s quantized collectives: qwZ's int8 weight all_gather, qgZ's int8/int4
-                gradient all_to_all (block-wise scales; ZeRO-3's `quantize=`)
+    strategy    the frame the four stages share: build, backward, step, what a loop may read
+    ddp, zero1, zero2, zero3   the stages, the notes' algorithm each: who holds what (hold),
+                the gradient hook, the update - `diff zero2.py zero3.py` is the lesson
+
+and the variants of the stages, each in a module beside them, a subclass, a mixin or a wrapped
+Comm (none of them is imported by a stage's file):
+
+    zero1rs     ZeRO-1 with a reduce_scatter of the gradients (llm.c's)
+    placement   ZeRO-1/2's all_gather just before each block's next forward (SHARD_GRAD_OP)
     offload     ZeRO-Offload: ZeRO-1/2's optimizer states and AdamW on the host, gradients down
-                and updated weights up over PCIe (real on CUDA, emulated on a CPU; `offload=`)
-    ddp, zero1, zero2, zero3   the strategies: __init__ / forward / backward / step
-    hybrid      ZeRO-3 by node: HSDP (FSDP's HYBRID_SHARD) and ZeRO++'s hpZ, as ZeRO3 with
-                its hooks overridden
+                and updated weights up over PCIe (real on CUDA, emulated on a CPU)
+    prefetch    ZeRO-3's prefetch depth and the root kept from forward into backward
+    quant       ZeRO++'s quantized collectives: qwZ's int8 weight all_gather, qgZ's int8/int4
+                gradient all_to_all (block-wise scales), a wrapped Comm
+    hybrid      ZeRO-3 by node: HSDP (FSDP's HYBRID_SHARD) and ZeRO++'s hpZ
+    loopstep    DDP and ZeRO-3 for a loop that steps its own torch optimizer (torchlike's)
+    compose     `make_strategy(stage, model, comm, **options)`: a stage with its variants
 
 Everything else lives in four wings, sub-folders the lesson never imports, and one door:
 
@@ -42,13 +52,14 @@ the cli imports them all); `import-linter` checks this on every test run (the co
 pyproject.toml).
 `from zerolab import nb` is the notebooks' door to `zerolab.course.nb`, resolved on first use.
 """
+from .compose import make_strategy
 from .ddp import DDP
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3
 
 __version__ = "0.1.0"
-STRATEGIES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
+STRATEGIES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}      # the lesson's classes, by stage
 
 # names a learner imports from the package itself that live in a wing, resolved on first use so
 # that `import zerolab` loads the lesson only

@@ -206,92 +206,6 @@ def claim_shard_grads(unit, open_bucket):
             (unit.grad_views or unit.views(unit.bucket))[i].copy_(g)
 
 
-# --- the loop's own optimizer on ZeRO-3's shards (zerolab.torchlike.fully_shard) ----------
-class GlobalNormGrad(torch.Tensor):
-    """The loop's p.grad under fully_shard: this rank's shard of the averaged gradient, whose
-    norms are global - a full norm of it (torch.linalg.vector_norm, torch.norm, Tensor.norm,
-    torch._foreach_norm; dim=None) sums the ranks' parts in one all_reduce, so
-    `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` clips by the whole
-    gradient's norm on every rank, as FSDP2's DTensor gradients do. Every rank must ask (a
-    collective); everything else it does is a plain tensor's."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if func not in _NORMS or kwargs.get("dim") is not None or (
-                len(args) > 2 and func is not torch._foreach_norm):
-            return out
-        ord_ = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2))
-        ord_ = 2.0 if ord_ in (None, "fro") else float(ord_)
-        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-        comm = first.__dict__["_zerolab_comm"]
-        local = torch.stack(list(out)) if isinstance(out, (list, tuple)) else out.reshape(1)
-        part = local.float() if ord_ == float("inf") else local.float().pow(ord_)
-        comm.all_reduce(part, what="metric", unit="grad_norm",
-                        op="max" if ord_ == float("inf") else "sum")
-        whole = (part if ord_ == float("inf") else part.pow(1 / ord_)).to(local.dtype)
-        return list(whole.unbind()) if isinstance(out, (list, tuple)) else whole.reshape(out.shape)
-
-
-_NORMS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch._foreach_norm}
-
-
-def global_norm_grad(view: torch.Tensor, comm) -> GlobalNormGrad:
-    """`view` (no copy) as a GlobalNormGrad whose norms all_reduce over `comm`."""
-    g = torch.Tensor._make_subclass(GlobalNormGrad, view)
-    g.__dict__["_zerolab_comm"] = comm
-    return g
-
-
-def claim_loop_grads(u):
-    """own_step=False, before a backward: the loop's gradients of its shard parameters keep
-    torch's meaning when the reduce_scatter adds into them in place (`u.grad_master` is
-    `grad_shard`): None -> that piece starts from zero; the view itself -> kept (accumulating);
-    another tensor the loop assigned -> its values. (Otherwise grad_shard was freed after the
-    last hand-over: it gets its memory back, zeroed.)"""
-    if u.grad_master is not u.grad_shard:
-        if u.grad_shard.untyped_storage().nbytes() == 0:
-            u.grad_shard.untyped_storage().resize_(u.grad_shard.numel() * u.grad_shard.element_size())
-            u.grad_shard.zero_()
-        return
-    for sp, view in zip(u.shard_params, u.shard_views(u.grad_shard)):
-        g = sp.grad
-        if g is None:
-            view.zero_()
-        elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
-            view.copy_(g)
-
-
-def hand_grads(u, used=None, comm=None):
-    """own_step=False, after a synchronising backward: each shard parameter's .grad is its piece
-    of the averaged gradient shard (a view of `grad_shard` when it has the master's dtype;
-    else `grad_shard` is added into the loop's fp32 gradients `u.grad_master` and freed,
-    FSDP2's reduce in reduce_dtype then cast). used: [bool per parameter], whether any rank
-    gave it a gradient since the last hand-over: one no rank used keeps its .grad as it was (None
-    stays None, so the loop's optimizer skips it, as torch's does)."""
-    used = used or [True] * len(u.params)
-    u.used = [False] * len(u.params)                # counting starts again (no step() here)
-    wrap = (lambda v: global_norm_grad(v, comm)) if comm is not None else (lambda v: v)
-    if u.grad_master is u.grad_shard:
-        for sp, view, on in zip(u.shard_params, u.shard_views(u.grad_shard), used):
-            if on or sp.grad is not None:
-                sp.grad = sp.grad if type(sp.grad) is GlobalNormGrad else wrap(view)
-        return
-    if u.grad_master is None:
-        u.grad_master = torch.zeros_like(u.master)
-    for sp, view, g, on in zip(u.shard_params, u.shard_views(u.grad_master),
-                               u.shard_views(u.grad_shard), used):
-        if not on:
-            continue
-        if sp.grad is None:
-            sp.grad = wrap(view.copy_(g))
-        else:
-            sp.grad.add_(g)
-    u.grad_shard.untyped_storage().resize_(0)      # back at the next backward (2Ψ/N bytes bf16)
-
-
 def adopt_edits(unit, flat: torch.Tensor, master: torch.Tensor, own=None):
     """Before an update: weights the loop changed since the last one are taken into `master`.
     `take_replaced(unit, flat)` first; then every element of `own(flat)` (this rank's part;
@@ -373,6 +287,31 @@ def check_step(sync: bool, fresh: bool):
     if not sync:
         raise RuntimeError("step() after backward(sync=False): the gradients were never reduced "
                            "across ranks; pass sync=True to the last micro-step's backward")
+
+
+# --- ZeRO-3: the weights are placeholders between passes ---------------------------------------
+def check_untouched(unit):
+    """Before a unit's all_gather: RuntimeError (one line, naming it) if the loop gave a parameter
+    new data (`p.data = t`) while only its shard was held - the gather would overwrite t."""
+    for name, p in zip(unit.names, unit.params):
+        if not is_placeholder(p):
+            raise RuntimeError(f"parameter {name} was given new data (p.data = ...) while "
+                               "ZeRO-3 held only its shard: change weights inside "
+                               "`with strategy.gathered(modifier_rank=r):`")
+
+
+def refuse_state_dict(modules, gathered) -> list:
+    """Hooks on `modules` that refuse `state_dict()` / `load_state_dict()` (RuntimeError, one
+    line) unless `gathered()` says the weights are gathered; `state_dict(keep_vars=True)` asks
+    for the live parameters themselves (placeholders) and is allowed. Returns the handles."""
+    def check(module, prefix, keep_vars, load=""):
+        if not gathered() and not keep_vars:
+            raise RuntimeError(f"ZeRO-3 holds only shards of the weights: call {load}state_dict()"
+                               f" inside `with strategy.gathered({load and 'modifier_rank=0'}):` "
+                               "(on every rank)")
+    return [h for m in modules for h in (
+        m.register_state_dict_pre_hook(check),
+        m.register_load_state_dict_pre_hook(lambda *_: check(0, 0, False, "load_")))]
 
 
 # --- what every rank must agree on (ZeRO-3: every micro-step gathers) -------------------------

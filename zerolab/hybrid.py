@@ -33,7 +33,8 @@ import contextlib
 
 import torch
 
-from .guards import check_edits, fingerprint, sync_module_states, take_replaced
+from .guards import (check_edits, check_untouched, fingerprint, sync_module_states,
+                     take_replaced)
 from .sharding import alloc_storage, storage_bytes
 from .tiers import node_comms
 from .zero3 import ZeRO3
@@ -48,11 +49,13 @@ class HSDP(ZeRO3):
     Every other keyword is ZeRO3's. ValueError (one line) unless ranks_per_node divides the
     world size, or with find_unused_parameters=True."""
 
+    name = "HSDP"
+
     def __init__(self, model, comm, *, ranks_per_node: int, **kwargs):
         if kwargs.get("find_unused_parameters"):
             raise ValueError("HSDP does not take find_unused_parameters=True: a parameter unused "
                              "on one node only would leave the node replicas different")
-        self.world = comm
+        self.world, self.hybrid = comm, ("hsdp", ranks_per_node)
         self.intra, self.inter = node_comms(ranks_per_node, comm)
         sync_module_states(model, comm)             # one set of weights for every node
         super().__init__(model, self.intra, **kwargs)
@@ -93,7 +96,10 @@ class HpZ(ZeRO3):
     comm: the world's Comm; ranks_per_node: k, the ranks of a secondary group. Every other
     keyword is ZeRO3's. ValueError (one line) unless k divides the world size."""
 
+    name = "hpZ"
+
     def __init__(self, model, comm, *, ranks_per_node: int, **kwargs):
+        self.hybrid = ("hpz", ranks_per_node)
         self.intra, self.inter = node_comms(ranks_per_node, comm)
         super().__init__(model, comm, **kwargs)
         self.k = ranks_per_node
@@ -111,7 +117,7 @@ class HpZ(ZeRO3):
     def _start_gather(self, u, async_op=False):
         if self.comm.current_phase != "backward" or u.secondary is None:
             return super()._start_gather(u, async_op)
-        self._check_untouched(u)
+        check_untouched(u)
         alloc_storage(u.param_flat)                 # inside the node, from the secondary shards
         handle = self.intra.all_gather(u.param_flat, u.secondary, what="params", unit=u.name,
                                        async_op=True)

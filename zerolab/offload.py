@@ -202,7 +202,7 @@ class _OnDevice:
 
 # --- the host side of one strategy ----------------------------------------------------------
 class Offload:
-    """The `offload=` of ZeRO1 / ZeRO2: where their optimizer states live and how they move.
+    """`Offloaded`'s policy: where ZeRO-1/2's optimizer states live and how they move.
 
     link: the host link's `bandwidth` (bytes/s) and `latency` (s) - emulated when the device is
     the CPU, the model's figure on CUDA; None: no emulated time. pin_memory: pinned host
@@ -230,18 +230,23 @@ class Offload:
         master.copy_(own)
         return master
 
-    def attach(self, units, comm, optimizer_states: str = "fp32"):
-        """The host buffers of `units` (their `master` from `host_master`, their gradient buffer
-        `grad_shard` or `grad_flat` built): the fp32 gradient AdamW reads and the staging buffer;
-        the checksums of the owned ranges; `comm`, whose `step` labels the ledger. ValueError
-        for a second strategy, or optimizer_states "bf16-master" (its master is the device's
-        bf16 weights: nothing to offload)."""
+    def check(self, optimizer_states: str = "fp32"):
+        """ValueError (one line) before a strategy is built: this Offload serves one already, or
+        optimizer_states "bf16-master" (its master is the device's bf16 weights: nothing to
+        offload)."""
         if self.units is not None:
             raise ValueError("this Offload serves a strategy already: give each its own")
         if optimizer_states == "bf16-master":
             raise ValueError("offload with optimizer_states 'bf16-master': its master is the "
                              "bf16 weights on the device, nothing to offload (use fp32 or "
                              "bf16-moments)")
+
+    def attach(self, units, comm, optimizer_states: str = "fp32"):
+        """The host buffers of `units` (their `master` from `host_master`, their gradient buffer
+        `grad_shard` or `grad_flat` built): the fp32 gradient AdamW reads and the staging buffer;
+        the checksums of the owned ranges; `comm`, whose `step` labels the ledger. ValueError
+        as `check`."""
+        self.check(optimizer_states)
         self.units, self.comm = units, comm
         for u in units:
             grads = u.grad_shard if u.grad_shard is not None else u.grad_flat
@@ -379,3 +384,58 @@ class Offload:
                                  for d, b in transfer_bytes(psi, n, precision, grad_dtype).items()},
                 "steps": list(self.steps),
                 "records": [r for r in self.records if r["step"] == step]}
+
+
+# --- the variant: ZeRO-1 / ZeRO-2 with this policy ------------------------------------------------
+class Offloaded:
+    """ZeRO-1 / ZeRO-2 with the optimizer on the host (a mixin: `class X(Offloaded, ZeRO2)`).
+
+    offload: an `Offload` (True: one without an emulated link); the other options are the
+    stage's. What changes: the master is made on the host (`new_master`), the update is steps
+    1-3 of the module docstring (`update`), the updated range arrives from the host instead of
+    being cast on the device (`write_own`), and the host's tensors are measured and saved.
+    ValueError (one line): an Offload that serves a strategy already, or bf16-master states."""
+
+    def __init__(self, model, comm, *, offload=True, **options):
+        self.offload = Offload() if offload is True else offload
+        states = options.get("optimizer_states", "fp32")
+        self.offload.check(states)
+        super().__init__(model, comm, **options)
+        self.offload.attach(self.units, comm, states)
+
+    def new_master(self, u) -> torch.Tensor:
+        return self.offload.host_master(u)                      # [Ψ_u/N] fp32, on the host
+
+    def update(self, used) -> torch.Tensor:
+        # own range down, clip + AdamW on the host, new weights up (`Offload.update`)
+        grads = [u.grad_shard if u.grad_shard is not None else u.own(u.grad_flat)
+                 for u in self.units]                           # [Ψ_u/N] bf16 each
+        norm = self.offload.update(self.units, grads, self.optimizer, used, self.max_grad_norm,
+                                   self.comm)
+        self._sample("optimizer step")
+        self.publish_all()
+        return norm
+
+    def publish(self, u):                   # (ZeRO-2's own publish is the same)
+        self.write_own(u)
+        return self.gather_update(u)
+
+    def write_own(self, u):                 # the own range: arrived from the host
+        self.offload.wait_up(u)
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {**super().state_tensors(), **self.offload.host_tensors(self.optimizer)}
+
+    def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: {"params": d.pop("params"), **self.offload.to_device(d)}
+                for name, d in super().shard_state().items()}
+
+    def load_state(self, read, step: int):
+        super().load_state(read, step)
+        self.offload.loaded(self.units)
+
+    def write_back(self, modifier_rank: int):   # the masters are on the host
+        self.offload.write_back(self, modifier_rank)
+
+    def _adopt_edits(self):                 # the masters are on the host
+        self.offload.adopt_edits(self.units)

@@ -399,27 +399,3 @@ def keep_own_range(strategy, sharded: bool):
         guards.take_changed(u.master, own)
         if u.param_shard is not None:
             u.param_shard.copy_(own)
-
-
-# --- ZeRO-3's unit: shards resident, full weights only while gathered (zerolab.zero3) ---------
-def shard_unit(u, grad_dtype=None, param_dtype=None, own_step=True, why=""):
-    """Set up one unit's ZeRO-3 state, then make its parameters placeholders: param_shard
-    [Ψ_u/N] (param_dtype, default the params'), grad_shard (grad_dtype), master (fp32; with
-    own_step=False the params' dtype, aliased by param_shard and grad_shard when dtypes agree).
-    why: what a read of the placeholder parameters says (zero3.SHARDED)."""
-    full = u.flatten()                                          # [Ψ_u] the params' dtype
-    u.param_flat = full.to(param_dtype) if param_dtype else full    # [Ψ_u] bf16, transient
-    if own_step:
-        u.param_shard = u.own(u.param_flat).clone()             # [Ψ_u/N] bf16, resident
-        u.master = u.param_shard.float().clone()                # [Ψ_u/N] fp32 master shard
-    else:
-        u.master = u.own(full).clone()                          # [Ψ_u/N] the loop's shard
-        same = u.master.dtype == u.param_flat.dtype
-        u.param_shard = u.master if same else u.master.to(u.param_flat.dtype)   # freed below
-    u.grad_shard = torch.zeros_like(u.param_shard, dtype=grad_dtype)   # [Ψ_u/N] bf16
-    if not own_step:                        # the loop's p.grad: views of grad_shard, or fp32
-        u.grad_master = u.grad_shard if u.grad_shard.dtype == u.master.dtype else None
-    u.unbind_params(why)
-    free_storage(u.param_flat)
-    if not own_step and u.param_shard is not u.master:
-        free_storage(u.param_shard)         # a cast copy only while gathering (ZeRO3._refresh)

@@ -41,8 +41,11 @@ def node_comms(ranks_per_node: int, parent: Comm | None = None) -> tuple[Comm, C
 
     Every rank must call it (creating a process group is collective). parent: the world's Comm,
     whose ledger, step, phase and emulated `link` both share (`sub_comm`: one ledger, one set of
-    per-tier clocks). ValueError unless k >= 1 divides the world size.
+    per-tier clocks). ValueError unless k >= 1 divides the world size. A parent Comm over no
+    process group (zerolab.timing.schedule's recorder) splits itself (`parent.node_comms`).
     """
+    if hasattr(parent, "node_comms"):
+        return parent.node_comms(ranks_per_node)
     world, rank = dist.get_world_size(), dist.get_rank()
     k = ranks_per_node
     if isinstance(k, bool) or not isinstance(k, int) or k < 1 or world % k:

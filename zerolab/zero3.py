@@ -6,14 +6,16 @@ freed. Just before the block's backward they are gathered again; when its gradie
 they are reduce-scattered (as in ZeRO-2) and the full parameters are freed. Each rank updates its
 own range; no all_gather follows the step, because nobody keeps full weights. Per rank:
 (2 + 2 + 12)Ψ/N = 16Ψ/N bytes (2Ψ at N = 8) at the price of 3(n-1)/n·2Ψ bytes a step.
-By default (prefetch=1) the next block's all_gather is issued while the current block computes:
-the same bytes, one more gathered block alive. prefetch=0 (`--no-zero3-prefetch`) is the notes'
-picture, one block gathered at a time, every gather on the critical path.
+The next block's all_gather is issued while the current block computes (prefetch): the same
+bytes, one more gathered block alive.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 3 --preset tiny --steps 3
 
-Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py: __init__ (who holds what) / forward /
-backward (+ its hooks) / step / state_tensors / full_parameters / shard_state / load_state.
+Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py (the frame: zerolab/strategy.py):
+hold (who holds what) / backward's hooks / update (the step) / state_tensors / checkpoint.
+Variants, each in its own module: another prefetch depth, the root kept from forward into
+backward (zerolab/prefetch.py), quantized collectives (zerolab/quant.py), hybrid sharding
+(zerolab/hybrid.py), the loop's own optimizer on the shards (zerolab/loopstep.py).
 """
 from __future__ import annotations
 
@@ -21,15 +23,12 @@ import contextlib
 
 import torch
 
-from .guards import (ShardedGrad, agree, check_edits, check_step, claim_grads,
-                     claim_loop_grads, claim_shard_grads, fingerprint, hand_grads,
-                     is_placeholder, shard_grads, sync_module_states, take_replaced)
-from .optim import (adam_state, clip_grad_norm_, make_flat_optimizer, optimizer_states,
-                    set_adam_state)
-from .quant import quantized_comm
-from .sharding import (GradReady, alloc_storage, build_units, check_all_used, check_trainable,
-                       fp32_grads, free_storage, global_used, grad_copies, keep_own_range,
-                       on_post_backward, on_pre_backward, shard_unit, write_back)
+from .guards import (ShardedGrad, agree, check_edits, check_untouched, claim_grads,
+                     claim_shard_grads, fingerprint, refuse_state_dict, shard_grads, take_replaced)
+from .optim import adam_state
+from .sharding import (alloc_storage, free_storage, keep_own_range, on_post_backward,
+                       on_pre_backward, write_back)
+from .strategy import Strategy
 
 SHARDED = ("ZeRO-3 holds only this rank's shard of the weights outside forward/backward: read "
            "or change them inside `with strategy.gathered():` (modifier_rank=r to keep changes)")
@@ -50,78 +49,58 @@ def free_params(unit):
     free_storage(unit.param_flat)
 
 
-# Blocks gathered ahead by default. Chosen from measurements (issue #8; tests/test_knobs.py,
-# tests/test_linkemu.py, `zerolab bench`): on an emulated slow link (2 ranks, sleeping blocks)
-# depth 0 / 1 / 2 / all took 275 / 183 / 187 / 179 ms a step for a gathered peak of root + 1 / 2 /
-# 3 / all blocks; on 2 idle gloo CPU ranks (`small`) depth 1 took 176 ms against 192 ms. Depth 1
-# is the knee: almost all of the time for one block more. FSDP2 and DeepSpeed prefetch too.
-DEFAULT_PREFETCH = 1
+class ZeRO3(Strategy):
+    """Stage 3 around `model` on the ranks of `comm` (zerolab.comm.Comm); the options are
+    `Strategy`'s (max_grad_norm, find_unused_parameters, grad_dtype, meter, AdamW's; no
+    bucket_mb: a unit is one block, gathered and reduced on its own).
 
+    Outside forward / backward a parameter keeps its full shape, dtype and device but holds no
+    values: reading or changing them raises `guards.ShardedValues` naming `strategy.gathered()`.
+    As in FSDP2 a block is gathered by its own pre-forward hook and again by its pre-backward
+    hook (once per pass, however often it is called); its forward calls are counted and its
+    post-backward hook counts them down, so a block called in two forwards before one backward is
+    reduced after both; the root unit is gathered by the model's own forward hooks, so
+    `model(x, y)` under torch.no_grad() works between steps. backward(sync=False) keeps the full
+    local gradients in the buckets; the weights are still gathered in every micro-step, so every
+    rank must run the same micro-steps and call the blocks in the same order: ranks that differ
+    raise RuntimeError on every rank (`guards.agree`: one all_reduce of 4 int64 a backward)."""
 
+    stage, name = 3, "ZeRO-3"
+    prefetch, keep_root = 1, False                  # (prefetch.py: other depths, the root)
 
-class ZeRO3:
-    stage = 3
-
-    def __init__(self, model, comm, *, prefetch=DEFAULT_PREFETCH, keep_root=False, max_grad_norm=0.0,
-                 find_unused_parameters=False, grad_dtype=None, meter=None, blocks=None,
-                 layout="flat", own_step=True, reshard_after_forward=True, param_dtype=None,
-                 units=None, quantize=None, **adamw):
-        """prefetch=1 (the default, DEFAULT_PREFETCH; True means 1) issues the next block's
-        all_gather (forward order in forward, reverse in backward) as soon as the current block
-        is gathered, so it can overlap the current block's compute; the price is a second
-        gathered block in memory. prefetch=0 (False) gathers each block only when it runs.
-        prefetch=k gathers k blocks ahead (k + 1 gathered blocks), -1 all remaining at once. keep_root=True
-        keeps the root unit gathered from forward into backward (one all_gather fewer, the
-        root's full weights held in between).
-        Outside forward / backward a parameter keeps its full shape, dtype and device but holds
-        no values: reading or changing them raises `guards.ShardedValues` naming
-        `strategy.gathered()` (never an empty tensor that looks like data).
-        Forward and backward follow FSDP2: a block is gathered by its own pre-forward hook and
-        again by its pre-backward hook (once per pass, however often it is called); its forward
-        calls are counted and its post-backward hook counts them down, so a block called in two
-        forwards before one backward is reduced after both; the root unit is gathered by the
-        model's own forward hooks, so `model(x, y)` under torch.no_grad() works between steps.
-        blocks: for model.zero_units(). layout: "flat" or "dim0" (`FlatUnit`). own_step=False,
-        units (set up by `shard_unit`), reshard_after_forward, param_dtype: for
-        `zerolab.torchlike.fully_shard` (the loop's optimizer steps `u.master`; FSDP2's).
-        quantize: ZeRO++'s qwZ / qgZ, e.g. {"weights": "int8", "grads": "int4"} (`zerolab.quant`)."""
-        prefetch = int(prefetch) if isinstance(prefetch, bool) else prefetch
-        if not isinstance(prefetch, int) or prefetch < -1:
-            raise ValueError(f"prefetch {prefetch!r} must be a bool, a depth >= 0, or -1 (all)")
-        self.keep_root, self.own_step, self.reshard = keep_root, own_step, reshard_after_forward
-        self.model, self.meter, self.prefetch = model, meter, prefetch
-        self.comm = quantized_comm(comm, quantize)      # comm itself unless quantize is given
-        self.max_grad_norm, self.n = max_grad_norm, comm.world_size
-        self.find_unused, self.grad_dtype = find_unused_parameters, grad_dtype
-        self.handles, self.pinned, self.sync, self.fresh = [], False, True, False
-        if units is None:
-            sync_module_states(model, comm)             # rank 0's weights, as FSDP does
-            units = build_units(model, comm.world_size, comm.rank, blocks=blocks, layout=layout)
-            for u in units:
-                shard_unit(u, grad_dtype, param_dtype, own_step, SHARDED)
-        self.units = units
-        for u in self.units:
-            u.gathered, u.pending, u.bw_gathered = False, 0, False
-            if u.module is not None:
-                self.handles += [
-                    u.module.register_forward_pre_hook(
-                        lambda _, args, u=u: self._pre_forward(u, args)),
-                    u.module.register_forward_hook(lambda *_, u=u: self._post_forward(u)),
-                    on_pre_backward(u.module, lambda u=u: self._pre_backward(u))]
-        self.handles += [model.register_forward_pre_hook(lambda *_: self._root_pre_forward()),
-                         model.register_forward_hook(lambda *_: self._root_post_forward())]
-        for m in (model, *(u.module for u in self.units if u.module is not None)):
-            if own_step:                    # (fully_shard: state_dict() holds the loop's shards)
-                self.handles += [m.register_state_dict_pre_hook(self._check_gathered),
-                                 m.register_load_state_dict_pre_hook(
-                                     lambda *_: self._check_gathered(0, 0, False, "load_"))]
-        self.optimizer = make_flat_optimizer(self.units, sharded=True, **adamw) if own_step else None
+    def __init__(self, model, comm, **options):
+        if options.get("bucket_mb") is not None:
+            raise ValueError(f"bucket_mb {options['bucket_mb']!r}: ZeRO-3 gathers and reduces "
+                             "one block at a time (buckets are DDP's, ZeRO-1's and ZeRO-2's)")
+        # gathered() pins the weights; blocks' all_gathers issued ahead; the next block a forward
+        # expects; ledger records already compared between ranks
+        self.pinned, self.prefetched, self.next_block, self.agreed = False, {}, 0, 0
+        super().__init__(model, comm, **options)
         self.root = [u for u in self.units if u.module is None]
         self.blocks = [u for u in self.units if u.module is not None]     # forward order
-        # reduce_scatters in flight; unit name -> all_gather issued ahead of use; forward: the
-        # blocks before next_block were gathered; ledger records already compared between ranks
-        self.inflight, self.prefetched, self.next_block, self.agreed = [], {}, 0, 0
-        self.ready = GradReady(self.units, self._grads_ready)
+        for u in self.units:
+            u.gathered, u.pending, u.bw_gathered = False, 0, False
+        for u in self.blocks:               # a block: gathered for its forward and its backward
+            self.handles += [
+                u.module.register_forward_pre_hook(lambda _, args, u=u: self._pre_forward(u, args)),
+                u.module.register_forward_hook(lambda *_, u=u: self._post_forward(u)),
+                on_pre_backward(u.module, lambda u=u: self._pre_backward(u))]
+        self.handles += [model.register_forward_pre_hook(lambda *_: self._root_pre_forward()),
+                         model.register_forward_hook(lambda *_: self._root_post_forward())]
+        self.handles += refuse_state_dict([model, *(u.module for u in self.blocks)],
+                                          lambda: self.weights_readable())
+
+    # --- who holds what: this rank's range of everything; full weights only while gathered ------
+    def hold(self, u):
+        u.param_flat = u.flatten()                              # [Ψ_u] bf16, while gathered
+        u.param_shard = u.own(u.param_flat).clone()             # [Ψ_u/N] bf16, resident
+        u.master = self.new_master(u)                           # [Ψ_u/N] fp32, this rank's range
+        u.grad_shard = torch.zeros_like(u.param_shard, dtype=self.grad_dtype)   # [Ψ_u/N] bf16
+        u.unbind_params(SHARDED)                                # the parameters: placeholders
+        free_storage(u.param_flat)                              # the full buffer's bytes go
+
+    def weights_readable(self) -> bool:     # state_dict(): only inside gathered()
+        return self.pinned
 
     def _gather(self, u):
         if self.pinned or u.gathered:       # inside gathered(), or gathered already this pass
@@ -130,40 +109,30 @@ class ZeRO3:
             self.prefetched.pop(u.name).wait()
         else:
             self._start_gather(u)
-        u.bind_params(u.param_flat)
-        self._refresh(u, keep=False)        # (own_step=False: the cast copy is not needed now)
+        self._bind(u)
         u.gathered = True
         self._sample(f"all_gather {u.name}")
-        if self.prefetch and u in self.blocks:          # depth: True = 1, k, or -1 = all
-            order = self.blocks[::-1] if self.comm.current_phase == "backward" else self.blocks
-            k, depth = order.index(u), int(self.prefetch)
-            for nxt in order[k + 1:] if depth < 0 else order[k + 1:k + 1 + depth]:
-                if nxt.name not in self.prefetched and not nxt.gathered:
-                    self.prefetched[nxt.name] = self._start_gather(nxt, async_op=True)
+        for nxt in self._ahead(u):          # prefetch: their all_gather overlaps u's compute
+            if nxt.name not in self.prefetched and not nxt.gathered:
+                self.prefetched[nxt.name] = self._start_gather(nxt, async_op=True)
 
     def _start_gather(self, u, async_op=False):
-        self._check_untouched(u)            # `gather_params` waited for at once, or in flight:
-        self._refresh(u)
+        check_untouched(u)                  # `gather_params`, waited for at once; or in flight:
         if not async_op:
             return gather_params(self.comm, u)
         alloc_storage(u.param_flat)
         return self.comm.all_gather(u.param_flat, u.param_shard, what="params", unit=u.name,
                                     async_op=True)
 
-    def _refresh(self, u, keep=True):
-        # own_step=False: gather the loop's master shard in param_dtype (a transient cast copy)
-        if u.param_shard is not u.master and not self.own_step:
-            alloc_storage(u.param_shard) if keep else free_storage(u.param_shard)
-            if keep:
-                u.param_shard.copy_(u.master)
+    def _bind(self, u):                     # the module computes with the gathered weights
+        u.bind_params(u.param_flat)
 
-    def _check_untouched(self, u):
-        # `p.data = t` on a sharded parameter: its values would be overwritten by the gather
-        for name, p in zip(u.names, u.params):
-            if not is_placeholder(p):
-                raise RuntimeError(f"parameter {name} was given new data (p.data = ...) while "
-                                   "ZeRO-3 held only its shard: change weights inside "
-                                   "`with strategy.gathered(modifier_rank=r):`")
+    def _ahead(self, u) -> list:
+        """The blocks gathered ahead once `u` is: the next one in this pass's order."""
+        if u not in self.blocks:
+            return []
+        order = self.blocks[::-1] if self.comm.current_phase == "backward" else self.blocks
+        return order[order.index(u) + 1:order.index(u) + 2]
 
     def _free(self, u):
         if self.pinned or not u.gathered:   # (inside gathered(), or freed already)
@@ -181,10 +150,6 @@ class ZeRO3:
             free_params(next(u for u in self.blocks if u.name == name))
 
     # --- forward: gather each block just before it runs, free it right after -----------------
-    def forward(self, x, y):
-        with self.comm.phase("forward"):
-            return self.model(x, y)
-
     def _root_pre_forward(self):
         # every forward pass, with or without grad: root params (tied embedding / head) span it
         self.next_block = 0
@@ -195,10 +160,8 @@ class ZeRO3:
         if self.comm.current_phase == "backward":   # activation checkpointing recomputes it
             self._gather(u)
             return args
-        # a block this rank's forward skipped (data-dependent control flow) is gathered and freed
-        # anyway, so that every rank issues the same all_gathers in the same order
-        i = self.blocks.index(u)
-        while self.next_block < i:
+        i = self.blocks.index(u)            # blocks this rank's forward skipped are gathered and
+        while self.next_block < i:          # freed anyway: every rank, the same all_gathers
             skipped = self.blocks[self.next_block]
             self._gather(skipped)
             self._free(skipped)
@@ -211,10 +174,12 @@ class ZeRO3:
         return on_post_backward(args, lambda: self._post_backward(u))
 
     def _post_forward(self, u):
-        if self.comm.current_phase == "backward":   # recomputed in backward: its backward frees it
-            return
-        if getattr(u, "reshard", self.reshard) or not torch.is_grad_enabled():
-            self._free(u)
+        if self.comm.current_phase != "backward" and self.reshard_after_forward(u):
+            self._free(u)                   # (recomputed in backward: its backward frees it)
+
+    def reshard_after_forward(self, u) -> bool:
+        """Free `u`'s weights right after its forward (FSDP2's reshard_after_forward): yes."""
+        return True
 
     def _root_post_forward(self):
         for u in self.blocks[self.next_block:]:     # skipped at the end: same collectives
@@ -223,71 +188,24 @@ class ZeRO3:
         self.next_block = 0
         self._drain_prefetch()
         for u in self.root:
-            if not (self.keep_root and torch.is_grad_enabled()):  # keep_root: held into backward
+            if self.reshard_after_forward(u):
                 self._free(u)
 
     # --- backward: gather again, reduce_scatter each bucket, free params and bucket ----------
-    def backward(self, loss, *, sync=True):
-        """sync=True: each block's gradient is reduce-scattered as soon as its backward is done.
-        sync=False (torch's no_sync, FSDP2's set_requires_gradient_sync(False)): no
-        reduce_scatter; the full local gradients stay in the buckets (ZeRO-1's 2Ψ bytes of
-        gradient, `theory.accumulation_grad_bytes`) until a sync=True backward reduces the sum.
-        The weights are still gathered in every forward and backward, so every rank must run
-        the same micro-steps: ranks that disagree on `sync` (uneven micro-steps), or that issued
-        different all_gathers since the last backward (blocks called in a rank-dependent order),
-        raise RuntimeError on every rank (one all_reduce of 4 int64 a backward checks it)."""
-        self.begin_backward(sync)
-        try:
-            loss.backward()
-        finally:
-            self.end_backward()
-
     def begin_backward(self, sync=True):
-        """Everything before `loss.backward()` (fully_shard calls it when the gradient of the
-        model's output arrives: FSDP2's root pre-backward hook)."""
         self.agreed = agree(self.comm, sync, self.agreed, self.units[0].master.device)
-        self.sync = sync
-        self.fresh = True
-        check_trainable(self.model, self.units)
-        self.ready.start()
-        self.phase_before, self.comm.current_phase = self.comm.current_phase, "backward"
-        if not self.own_step:
-            for u in self.units:
-                claim_loop_grads(u)
-        for u in self.units:
-            u.bw_gathered = False
-            if u.bucket is not None:        # p.grad as the loop left it: accumulating
-                claim_grads(u, u.bucket)
-            else:                           # ... or after a synchronising backward / a step
-                claim_shard_grads(u, self._open_bucket)
-        for u in self.root:
+        super().begin_backward(sync)
+        for u in self.root:                 # the root spans the whole backward too
             self._gather(u)
             u.bw_gathered = True
             self._open_bucket(u)
 
-    def end_backward(self):
-        """Everything after `loss.backward()` (fully_shard: autograd's final callback)."""
-        try:
-            self.ready.finish()             # units whose params got no gradient: reduce now
-            while self.inflight:
-                self.inflight.pop(0).wait()
-            self._drain_prefetch()
-            for u in self.units:
-                u.pending = 0
-                self._free(u)               # held since forward, backward never reached it
-        finally:
-            self.comm.current_phase = self.phase_before
-        if self.sync and not self.find_unused:
-            check_all_used(self.units, self.comm.rank)
-        if self.sync:                       # the averaged gradient lives in shards only
-            shard_grads(self.units, "ZeRO-3")
-            used = global_used(self.units, self.comm) if self.find_unused else None
-            for k, u in enumerate([] if self.own_step else self.units):   # the loop's p.grad
-                hand_grads(u, used[k] if used else None, self.comm)
-        self._sample("backward done")
-
-    def _post_backward(self, u):
-        u.pending = max(0, u.pending - 1)
+    def claim(self, u):                     # p.grad as the loop left it (zero_grad, assigned)
+        u.bw_gathered = False
+        if u.bucket is not None:            # accumulating after sync=False
+            claim_grads(u, u.bucket)
+        else:                               # ... or after a synchronising backward / a step
+            claim_shard_grads(u, self._open_bucket)
 
     def _pre_backward(self, u):
         self.ready.flush_before(u)          # the units after u with no backward pending are done
@@ -295,11 +213,13 @@ class ZeRO3:
         u.bw_gathered = True
         self._open_bucket(u)
 
+    def _post_backward(self, u):
+        u.pending = max(0, u.pending - 1)
+
     def _open_bucket(self, u):
         if u.bucket is not None:            # open already (accumulating, or a second graph)
             return
-        u.bucket = torch.zeros_like(u.param_flat, dtype=getattr(u, "grad_dtype", None)
-                                    or self.grad_dtype)         # [Ψ_u] bf16, transient
+        u.bucket = torch.zeros_like(u.param_flat, dtype=u.grad_shard.dtype)  # [Ψ_u], transient
         u.bind_grads(u.bucket)
         self._sample(f"bucket {u.name}")
 
@@ -313,65 +233,69 @@ class ZeRO3:
             return
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
+        self._reduce_scatter(u)
+        self._sample(f"reduce_scatter {u.name}")
+
+    def _reduce_scatter(self, u):
         out = u.rs_out = torch.empty_like(u.grad_shard)       # [Ψ_u/N] bf16, in flight
-        u.packed_grad = u.pack(u.bucket)    # layout "dim0": rank r's rows together (a copy)
-        handle = self.comm.reduce_scatter(out, u.packed_grad, what="grads", unit=u.name,
+        handle = self.comm.reduce_scatter(out, u.bucket, what="grads", unit=u.name,
                                           async_op=True)
 
-        def done(u=u, out=out):
+        def done():
             self._reduced(u, out)                              # accumulate the averaged shard
-            u.bucket = u.grad_views = u.rs_out = u.packed_grad = None   # free the buckets
+            u.bucket = u.grad_views = u.rs_out = None          # free the full-gradient bucket
             for p in u.params:
                 p.grad = None
         handle.on_done = done
         self.inflight.append(handle)
-        self._sample(f"reduce_scatter {u.name}")
 
     def _reduced(self, u, out):
         u.grad_shard.add_(out.div_(self.n))     # (zerolab.hybrid's HSDP: across nodes first)
 
+    def finish_backward(self):
+        self._drain_prefetch()
+        for u in self.units:
+            u.pending = 0
+            self._free(u)                   # held since forward, backward never reached it
+
+    def synced(self):                       # the averaged gradient lives in shards only
+        shard_grads(self.units, "ZeRO-3")
+
     # --- step: update the owned range; nothing to gather, nobody keeps full weights -----------
-    def step(self) -> torch.Tensor:
-        if not self.own_step:
-            raise RuntimeError("built with own_step=False: step your own optimizer on the shards")
-        check_step(self.sync, self.fresh)   # a backward ran since, and reduced the grads
-        self.fresh = False
-        with self.comm.phase("step"):
-            used = global_used(self.units, self.comm) if self.find_unused else None
-            fp32_grads(self.units, [u.grad_shard for u in self.units])       # [Ψ_u/N] fp32
-            self._sample("fp32 grads")
-            norm = clip_grad_norm_([u.master for u in self.units], self.max_grad_norm, self.comm)
-            self.optimizer.step(used)
-            self._sample("optimizer step")
-            for u in self.units:
-                u.param_shard.copy_(u.master)                       # fp32 -> bf16, own range
-                u.master.grad = None
-                u.grad_shard.zero_()
-                u.used = [False] * len(u.params)
-                for p in u.params:                # consumed, as torch's zero_grad() after step
-                    p.grad = None
-                self._free(u)               # anything still gathered holds the old weights
-            self._drain_prefetch()
-        self._sample("step done")
+    def update(self, used) -> torch.Tensor:
+        norm = self.adamw([u.grad_shard for u in self.units], used, self.comm)     # [Ψ_u/N]
+        self.publish_all()                  # every unit: `publish`; no collective follows
+        self._drain_prefetch()
         return norm
+
+    def publish(self, u):
+        u.param_shard.copy_(u.master)                           # fp32 -> bf16, own range
+        self._free(u)                       # anything still gathered holds the old weights
+
+    def consumed(self, u):                  # consumed, as torch's zero_grad() after the step
+        u.master.grad = None
+        u.grad_shard.zero_()
+        u.used = [False] * len(u.params)
+        for p in u.params:
+            p.grad = None
+
+    def _adopt_edits(self):                 # placeholders: edits go through gathered()
+        pass
 
     # --- what this rank holds ----------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        masters = [u.master for u in self.units]
         return {"params": [u.param_shard for u in self.units],
                 "grads": [u.grad_shard for u in self.units],
-                "gathered_params": [t for u in self.units for t in (u.param_flat, u.unsharded)],
-                "grad_buckets": [t for u in self.units for t in (u.bucket, u.packed_grad)] + [
+                "gathered_params": [u.param_flat for u in self.units],
+                "grad_buckets": [u.bucket for u in self.units] + [
                     p.grad for u in self.units for p in u.params
                     if type(p.grad) is not ShardedGrad],
-                "reduce_scatter_out": [u.rs_out for u in self.units],
-                **optimizer_states(self.optimizer, masters),
-                "grad_fp32": grad_copies(self.units)}
+                "reduce_scatter_out": [u.rs_out for u in self.units], **self.optimizer_tensors()}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: fp32 copy} of every parameter, gathered (ledger phase "eval")."""
         with self.gathered():
-            return {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+            return super().full_parameters()
 
     @contextlib.contextmanager
     def gathered(self, modifier_rank=None):
@@ -399,36 +323,10 @@ class ZeRO3:
             for u in self.units:
                 self._free(u)
 
-    def _check_gathered(self, module, prefix, keep_vars, load=""):
-        # keep_vars=True asks for the live parameters themselves (placeholders here): allowed
-        if not self.pinned and not keep_vars:
-            raise RuntimeError(f"ZeRO-3 holds only shards of the weights: call {load}state_dict()"
-                               f" inside `with strategy.gathered({load and 'modifier_rank=0'}):` "
-                               "(on every rank)")
-
-    def close(self):
-        """Remove every hook this strategy put on the model, so that it can be freed."""
-        self.ready.close()
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
     # --- checkpoint: this rank's range out, logical (unpadded) state in -----------------------
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{unit: {"params", "master", "exp_avg", "exp_avg_sq"}}: views of this rank's range
-        [Ψ_u/N] of each state (zerolab.run.checkpoint writes them)."""
         return {u.name: {"params": u.param_shard, **adam_state(self.optimizer, u.master)}
                 for u in self.units}
 
-    def load_state(self, read, step: int):
-        """read(unit, key) -> [padded_numel] state of `unit` for this world size (key: params,
-        master, exp_avg, exp_avg_sq), rebuilt from logical tensors; `step`: AdamW's count."""
-        for u in self.units:
-            u.param_shard.copy_(u.own(read(u, "params")))           # [Ψ_u/N] own range
-            u.master.copy_(u.own(read(u, "master")))                # [Ψ_u/N] own range
-            set_adam_state(self.optimizer, u.master, u.own(read(u, "exp_avg")),
-                           u.own(read(u, "exp_avg_sq")), step)
-
-    def _sample(self, tag):
-        if self.meter is not None:
-            self.meter.sample(self, tag)
+    def load_params(self, u, full: torch.Tensor):
+        u.param_shard.copy_(u.own(full))                        # [Ψ_u/N] own range

@@ -53,7 +53,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import STRATEGIES, theory
+from .. import theory
+from ..compose import make_strategy
 from ..timing import linkemu
 from ..comm import Comm
 from ..data import get_batch, load_tokens, rank_slice
@@ -62,7 +63,7 @@ from ..run import options
 from ..run.options import check_seed
 from ..run.rank import rank_entry
 from ..sharding import storage_bytes
-from ..zero3 import DEFAULT_PREFETCH
+from ..prefetch import DEFAULT_PREFETCH
 
 ZEROLAB = {"zerolab-ddp": (0, None), "zerolab-zero1": (1, None), "zerolab-zero2": (2, None),
            "zerolab-zero3": (3, DEFAULT_PREFETCH), "zerolab-zero3-noprefetch": (3, 0)}
@@ -105,7 +106,7 @@ class System:
             stage, prefetch = ZEROLAB[base]
             kwargs = {"prefetch": prefetch} if stage == 3 else {
                 "bucket_mb": bucket_mb if bucket_mb is not None else args.bucket_mb}
-            self.strategy = STRATEGIES[stage](model, comm, max_grad_norm=0.0, **kwargs, **adamw)
+            self.strategy = make_strategy(stage, model, comm, max_grad_norm=0.0, **kwargs, **adamw)
             self.model = model
             return
         if base in TORCHLIKE:
@@ -372,7 +373,7 @@ def format_table(summary: dict) -> str:
     names = [r["system"] for r in summary["rows"]]
     lines += textwrap.wrap(
         "x torch DDP / x FSDP2: median step time over torch-ddp's / fsdp2-reshard's; min, cpu: "
-        "the same ratio to torch DDP of the fastest round, and of the median CPU seconds. states: "
+        "the same ratio of the fastest round, and of the median CPU seconds. states: "
         "model-state bytes per rank between steps; B/Ψ: states per parameter - fp32, so zerolab "
         "DDP holds 20 (weight, gradient, fp32 master copy, exp_avg, exp_avg_sq: 4 each; zerolab "
         "keeps the master copy in fp32 runs too) and torch DDP 16 (AdamW updates the weights in "

@@ -40,10 +40,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import STRATEGIES, theory
+from .. import theory
+from ..compose import make_strategy
 from ..comm import Comm
 from ..data import get_batch, load_tokens, rank_slice
-from ..hooks import GATHER_MODES
+from ..placement import GATHER_MODES
 from ..model import GPT, get_config
 from ..sharding import build_units
 from ..timing import costmodel, linkemu
@@ -138,8 +139,8 @@ def rank_measure(args) -> dict | None:
             comm = Comm()
             comm.link = link                # one emulated link: the systems take turns on it
             kwargs = {"gather": mode} if mode else {}
-            systems.append((label, stage, mode, STRATEGIES[stage](
-                model, comm, max_grad_norm=1.0, lr=1e-3, weight_decay=0.1, **kwargs)))
+            systems.append((label, stage, mode, make_strategy(
+                stage, model, comm, max_grad_norm=1.0, lr=1e-3, weight_decay=0.1, **kwargs)))
         mine = []                           # (round, label, seconds) on this rank
         for r in range(args.warmup + args.rounds):
             x, y = get_batch(tokens, r, args.batch_size, cfg.block_size, args.seed)

@@ -52,7 +52,7 @@ from ..memory import HOST, MemoryMeter
 from ..model import GPT, get_config
 from ..optim import FlatAdamW
 from ..timing import hardware
-from ..zero2 import ZeRO2
+from ..compose import make_strategy
 from . import nb
 
 MODULE = "zerolab.course.offloadcheck"
@@ -100,8 +100,8 @@ def rank_measure(args) -> dict | None:
         model = GPT(cfg).to(device=device, dtype=torch.bfloat16)
         meter = MemoryMeter(enabled=False)
         off = offload.Offload(hardware.parse_link(spec, "--offload-link")) if spec else None
-        s = ZeRO2(model, Comm(), max_grad_norm=1.0, lr=1e-3, weight_decay=0.1, meter=meter,
-                  offload=off)
+        s = make_strategy(2, model, Comm(), max_grad_norm=1.0, lr=1e-3, weight_decay=0.1,
+                          meter=meter, offload=off)
         systems.append({"label": "ZeRO-2" + (f" offload {spec}" if spec else ""), "link": spec,
                         "s": s, "meter": meter, "rounds": [], "losses": []})
     total = args.warmup + args.rounds
@@ -123,13 +123,14 @@ def rank_measure(args) -> dict | None:
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
             sy["losses"].append(float(loss.detach()))
-            if s.offload is not None:           # the least transfer time / α-β time so far
+            off = s.options["offload"]          # the strategy's Offload, or None
+            if off is not None:                 # the least transfer time / α-β time so far
                 sy["floor"] = min([sy.get("floor", float("inf"))] + [
-                    t["s"] / t["model_s"] for t in s.offload.records if t["model_s"]])
+                    t["s"] / t["model_s"] for t in off.records if t["model_s"]])
             if r >= args.warmup:
                 split = dict.fromkeys(("down_s", "host_s", "adam_s", "sync_s", "up_s"), 0.0)
-                if s.offload is not None:
-                    split.update({k: v for k, v in s.offload.steps[-1].items() if k != "step"})
+                if off is not None:
+                    split.update({k: v for k, v in off.steps[-1].items() if k != "step"})
                 split.update(fwd_bwd_s=t1 - t0, step_s=t2 - t1, total_s=t2 - t0)
                 split["rest_s"] = split["step_s"] - sum(split[k] for k in (
                     "down_s", "host_s", "sync_s", "up_s"))
@@ -144,9 +145,10 @@ def rank_measure(args) -> dict | None:
                "rounds": sy["rounds"],
                "device": {k: v for k, v in cur.items() if not k.startswith(HOST)},
                "host": {k: v for k, v in cur.items() if k.startswith(HOST)}}
-        if s.offload is not None:
-            link = s.offload.link
-            row.update(moved=s.offload.step_bytes(total - 1),
+        off = s.options["offload"]
+        if off is not None:
+            link = off.link
+            row.update(moved=off.step_bytes(total - 1),
                        floor=sy["floor"],
                        host_update_s=host_update_seconds(s, args.repeats),
                        link={"name": link.name, "bandwidth": link.bandwidth,

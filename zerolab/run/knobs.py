@@ -21,9 +21,9 @@ import torch
 from .. import quant, theory
 from ..offload import Offload
 from ..hybrid import HYBRIDS
-from ..hooks import DEFAULT_GATHER
+from ..placement import DEFAULT_GATHER
 from ..timing import hardware, linkemu
-from ..zero3 import DEFAULT_PREFETCH
+from ..prefetch import DEFAULT_PREFETCH
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 OFFLOAD_LINK = "pcie4"          # --offload-link's default (zerolab/timing/hardware.py)
@@ -50,8 +50,9 @@ def check(args, world_size: int, stages: list[int]):
 
 
 def strategy_kwargs(stage: int, args, meter=None) -> dict:
-    """The keyword arguments of STRATEGIES[stage] for these options (`stage.make_strategy`;
-    --hybrid's ranks_per_node: `hybrid`)."""
+    """The keyword arguments of `zerolab.compose.make_strategy(stage, ...)` for these options
+    (`stage.make_strategy`; --hybrid's kind and ranks_per_node: `hybrid`). What was built is
+    then the strategy's to say (`strategy.options`: the result JSON reads it)."""
     kwargs = dict(max_grad_norm=args.max_grad_norm, meter=meter, lr=args.lr,
                   weight_decay=args.weight_decay,
                   find_unused_parameters=getattr(args, "find_unused_parameters", False),
@@ -166,7 +167,7 @@ def optimizer_ladder(args) -> dict:
 
 def zero3_prefetch_depth(args) -> int:
     """ZeRO-3's blocks gathered ahead: --zero3-prefetch-depth if given, else 1 for
-    --zero3-prefetch, 0 for --no-zero3-prefetch, else zero3.DEFAULT_PREFETCH."""
+    --zero3-prefetch, 0 for --no-zero3-prefetch, else prefetch.DEFAULT_PREFETCH."""
     depth = getattr(args, "zero3_prefetch_depth", None)
     if depth is not None:
         return depth

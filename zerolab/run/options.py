@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from .. import quant, theory
 from ..model import PRESETS, get_config
-from ..hooks import DEFAULT_GATHER, GATHER_MODES
-from ..zero3 import DEFAULT_PREFETCH
+from ..placement import DEFAULT_GATHER, GATHER_MODES
+from ..prefetch import DEFAULT_PREFETCH
 from . import knobs
 from .knobs import DTYPES  # noqa: F401 - the precisions' dtypes, where the options are
 #: seeds accepted: the range every generator the package seeds takes (torch.manual_seed takes
@@ -98,7 +98,7 @@ OPTIONS = {o.dest: o for o in (
            "after_step (the notes': every unit at the end of the step) or before_forward (FSDP's "
            "SHARD_GRAD_OP: each unit just before its next forward, one unit ahead, overlapping "
            f"the previous unit's compute); same bytes. Default {DEFAULT_GATHER} (measured: "
-           "zerolab/hooks.py)", {"choices": GATHER_MODES}),
+           "zerolab/placement.py)", {"choices": GATHER_MODES}),
     Option(("--offload-optimizer",), "ZeRO-1/2: ZeRO-Offload (DeepSpeed's offload_optimizer): "
            "fp32 master, exp_avg, exp_avg_sq and AdamW on the host; gradients down and updated "
            "weights up each step (zerolab/offload.py)", _ON),

@@ -19,40 +19,41 @@ import torch.distributed as dist
 from .. import theory, tiers
 from ..memory import padding_bytes
 from ..offload import HOST_STATES, device_bytes, host_bytes
-from .knobs import hybrid, optimizer_ladder, quantize, zero3_prefetch_depth
+from .knobs import optimizer_ladder
 
 
 def stage_result(st, ledger: list[dict]) -> dict:
     """The JSON of one stage on one rank (`stage.Stage` after its last phase). Bytes are bytes,
-    times seconds; `ledger` is comm.Comm.to_json() (every collective of the stage)."""
+    times seconds; `ledger` is comm.Comm.to_json() (every collective of the stage). The
+    strategy's knobs are what it says it was built with (`strategy.options`)."""
     args, comm, stage = st.args, st.comm, st.stage
+    built = st.strategy.options
     n, psi, A = comm.world_size, st.psi, args.grad_accum
     psi_padded = sum(u.padded_numel for u in st.strategy.units)
     gd = getattr(args, "grad_dtype", None)
     ladder = optimizer_ladder(args)     # {"states", "rounding"}: the optimizer's state dtypes
     measured_state = {s: st.memory["current"].get(s, 0) for s in theory.STATES}
-    q = quantize(args) if stage == 3 else None          # ZeRO++'s quantized collectives, or None
-    hy = hybrid(args, n) if stage == 3 else None        # (kind, k): HSDP / hpZ, or None
+    q = built["quantize"]                               # ZeRO++'s quantized collectives, or None
+    hy = built["hybrid"]                                # (kind, k): HSDP / hpZ, or None
+    grad_op = built["grad_op"] or "all_reduce"
     states_n = hy[1] if hy and hy[0] == "hsdp" else n   # HSDP shards over a node's k ranks
     tiers_padded = (tiers.hybrid_traffic_bytes(psi_padded, n, hy[1], hy[0], args.precision, A, gd)
                     if hy else None)
     traffic_padded = _by_op(tiers_padded) if hy else (theory.quantized_traffic_bytes(
         [u.shard_numel for u in st.strategy.units], n, q.weights, q.grads, q.block, args.precision,
         A, gd) if q else theory.traffic_bytes(psi_padded, n, stage, args.precision,
-                                              args.zero1_grad_op, A, gd))
+                                              grad_op, A, gd))
     return _with_offload(st, {
-        "run_id": args.run_id, "stage": stage, "name": {"hsdp": "HSDP", "hpz": "hpZ"}[hy[0]] if hy else theory.STAGE_NAMES[stage], "rank": comm.rank,
+        "run_id": args.run_id, "stage": stage, "name": built["name"], "rank": comm.rank,
         "world_size": n, "params_sha256": st.params_sha256,
         "backend": dist.get_backend(), "device": str(st.device), "precision": args.precision,
         "preset": args.preset, "model_config": st.cfg.__dict__, "num_params": psi,
         "num_params_padded": psi_padded, "steps": args.steps, "batch_size": args.batch_size,
         "grad_accum": A, "grad_dtype": gd or args.precision,
         "optimizer_states": ladder["states"], "master_rounding": ladder["rounding"],
-        "zero1_grad_op": args.zero1_grad_op if stage == 1 else None,
-        "zero12_gather": getattr(args, "zero12_gather", None) if stage in (1, 2) else None,
-        "bucket_mb": getattr(args, "bucket_mb", None) if stage in (0, 1, 2) else None,
-        "zero3_prefetch": zero3_prefetch_depth(args) if stage == 3 else None,
-        "zero3_keep_root": args.zero3_keep_root if stage == 3 else None,
+        "zero1_grad_op": built["grad_op"], "zero12_gather": built["gather"],
+        "bucket_mb": built["bucket_mb"], "zero3_prefetch": built["prefetch"],
+        "zero3_keep_root": built["keep_root"],
         "quantize": ({"weights": q.weights, "grads": q.grads, "block": q.block} if q else None),
         "hybrid": {"kind": hy[0], "ranks_per_node": hy[1]} if hy else None,
         "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
@@ -77,7 +78,7 @@ def stage_result(st, ledger: list[dict]) -> dict:
                                                           args.precision, gd, **ladder),
             "traffic_per_step": (_by_op(tiers.hybrid_traffic_bytes(
                 psi, n, hy[1], hy[0], args.precision, A, gd)) if hy else theory.traffic_bytes(
-                psi, n, stage, args.precision, args.zero1_grad_op, A, gd)),
+                psi, n, stage, args.precision, grad_op, A, gd)),
             "traffic_per_step_padded": traffic_padded,
             "traffic_per_tier_padded": tiers_padded,     # --hybrid: {"world"|"intra"|"inter": {op: B}}
             "secondary_params_padded": (tiers.hybrid_state_bytes(
@@ -94,7 +95,7 @@ def _with_offload(st, out: dict) -> dict:
     """--offload-optimizer (zerolab.offload): the model states' formulas become the device's
     (no master, no moments), the host's bytes are added next to theirs ("memory"."host",
     "theory"."host_padded"), and "offload" holds the link, the transfers and each step's split."""
-    off = getattr(st.strategy, "offload", None)
+    off = st.strategy.options["offload"]
     out["offload"] = None
     if off is None:
         return out

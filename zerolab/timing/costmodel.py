@@ -56,6 +56,11 @@ from .flops import (MFU, MFU_SOURCE, check_mfu, compute_time,  # noqa: F401 (cos
 from .collectives import (ALGORITHMS, OPS, Clocks, Leg, check_algorithm,  # noqa: F401 (re-exported)
                           collective_time, flat_leg, flat_link, hierarchical_all_reduce, legs,
                           ring_steps, tier_bytes, tree_steps)
+from ..compose import TAKES
+from ..hybrid import HYBRIDS
+from ..placement import GATHER_MODES
+from ..prefetch import check_depth
+from . import schedule
 from .hardware import TIERS, Device, Link, Topology
 
 
@@ -214,128 +219,67 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topol
               zero1_grad_op: str = "all_reduce", clip: bool = True, keep_root: bool = False,
               algorithm: str = "ring", hierarchical: bool = False,
               hybrid: str | None = None, bytes_per_param: dict | None = None,
-              zero12_gather: str = "after_step") -> StepTime:
+              zero12_gather: str = "after_step", **options) -> StepTime:
     """Replay one optimizer step (one micro-step) of zerolab's `stage` and return its timing.
 
-    units: forward order; a unit named "root" is treated as `Unit` says. The collectives are
-    issued in the order and with the waits of ddp.py / zero1.py / zero2.py / zero3.py: gradient
-    buckets as each unit's backward ends (ZeRO-2/3 keep at most two in flight), ZeRO-1/2's
-    all_gather after the step, ZeRO-3's all_gather before each block (the next one issued early
-    with `prefetch`) and the scalar all_reduce of the gradient norm (stages 1-3, `clip`).
-    overlap=False waits for every collective as soon as it is issued (compute + communication).
-    prefetch (ZeRO-3): False / 0 none, True / 1 the next block, k the next k blocks, -1 all
-    remaining blocks at once (FSDP's unlimited in-flight gathers). keep_root (ZeRO-3): the root
-    stays gathered from forward into backward (FSDP2's default for the root), saving its second
-    all_gather. Sizes: bf16 grads and params (4 bytes each in "fp32"). algorithm: how every
-    all_reduce is modelled (`collective_time`: "ring", "tree" or "auto"; the others are rings).
-    link: one Link, or a hardware.Topology of two tiers: every collective then runs on all
-    world_size ranks as `flat_leg` says (one ring through every node: the slower tier), or, each
-    all_reduce with `hierarchical`, as `hierarchical_all_reduce`'s three legs; each tier's link
-    serves its legs in issue order (`Clocks`). hybrid (ZeRO-3 on a Topology, zerolab.hybrid):
-    "hsdp" runs every gather and reduce_scatter on node 0's k ranks and all_reduces each
-    gradient shard (S/k) across the nodes as soon as its reduce_scatter ends; "hpz" runs the
-    backward's gathers inside the node. bytes_per_param: {"params": w, "grads": g} that the
-    gathers / reductions carry instead of the precision's (ZeRO++'s qwZ int8 with 256-element
-    blocks: 1 + 4/256). gather (ZeRO-1/2, `hooks.GATHER_MODES`): "after_step" (the
-    notes': every unit gathered at the end of the step, nothing to hide behind) or
-    "before_forward" (FSDP's SHARD_GRAD_OP: in steady state the previous step's gathers run in
-    this step's forward, each unit's just before it runs and the next one issued ahead, as
-    ZeRO-3's forward with prefetch 1). Returns a StepTime (seconds).
+    The schedule is the strategy code's own (`schedule.record`: the class zerolab.compose builds
+    for these options, run on a skeleton of these units, every collective, compute and wait in
+    the order the code does them); this function only puts the sizes and seconds in.
+    units: forward order; a unit named "root" is treated as `Unit` says. Variant options of the
+    stage (zerolab.compose's; a new variant's go through `**options` untouched): prefetch
+    (ZeRO-3: False / 0 none - the default here -, True / 1 the next block, k, -1 all remaining),
+    keep_root (ZeRO-3), zero1_grad_op (ZeRO-1's grad_op), zero12_gather (ZeRO-1/2's gather:
+    "after_step" or "before_forward", in steady state the previous step's gathers run in this
+    step's forward), hybrid (ZeRO-3 on a Topology: "hsdp" or "hpz", k = its ranks_per_node);
+    each is applied only to the stages that take it (`compose.TAKES`). clip: keep the scalar
+    all_reduce of the gradient norm (stages 1-3). overlap=False waits for every collective as
+    soon as it is issued (compute + communication). Sizes: bf16 grads and params (4 bytes each
+    in "fp32"), or `bytes_per_param` {"params": w, "grads": g} (ZeRO++'s qwZ int8 with
+    256-element blocks: 1 + 4/256). algorithm: how every all_reduce is modelled
+    (`collective_time`). link: one Link, or a hardware.Topology of two tiers: a collective on
+    all world_size ranks as `flat_leg` says (each all_reduce as `hierarchical_all_reduce`'s three
+    legs with `hierarchical`), one on a node's ranks or across nodes on its tier; each tier's
+    link serves its legs in issue order (`Clocks`); a collective issued when another completed
+    (HSDP's all_reduce after its reduce_scatter) starts no sooner than that. Returns a StepTime.
     """
-    depth = int(prefetch) if not isinstance(prefetch, bool) else int(prefetch)
-    if depth < -1:
-        raise ValueError(f"prefetch {prefetch!r} must be a bool, a depth >= 0, or -1 (unlimited)")
-    theory.check_stage(stage)
+    depth = check_depth(prefetch)
     n = theory.check_world_size(world_size)
-    intra = across = None
+    if zero12_gather not in GATHER_MODES:
+        raise ValueError(f"zero12_gather {zero12_gather!r} is not one of "
+                         f"{', '.join(map(repr, GATHER_MODES))}")
+    k = None
     if hybrid is not None:
-        if stage != 3 or hybrid not in ("hsdp", "hpz") or not isinstance(link, Topology):
+        if stage != 3 or hybrid not in HYBRIDS or not isinstance(link, Topology):
             raise ValueError(f"hybrid {hybrid!r} is ZeRO-3's 'hsdp' or 'hpz' on a Topology of "
                              f"two tiers (stage {stage}, {type(link).__name__})")
         k = link.ranks_per_node
         if n % k:
             raise ValueError(f"hybrid needs whole nodes: {k} ranks per node do not divide {n}")
-        intra, across = range(k), range(0, n, k)
-    width = {**theory.bytes_per_param(precision), **(bytes_per_param or {})}
-    gw, pw = width["grads"], width["params"]
+        options.update(hybrid=hybrid, ranks_per_node=k)
+    given = {"prefetch": depth, "keep_root": keep_root, "grad_op": zero1_grad_op,
+             "gather": zero12_gather}
+    options.update({key: v for key, v in given.items() if theory.check_stage(stage) in TAKES[key]})
     root = [u for u in units if u.name == "root"]
     blocks = [u for u in units if u.name != "root"]
+    named = {"root": root[0] if root else None, **{f"block.{i}": u for i, u in enumerate(blocks)}}
+    width = {**theory.bytes_per_param(precision), **(bytes_per_param or {})}
+    groups = {"": None, "intra": k and range(k), "inter": k and range(0, n, k)}
     sim = _Replay(stage, n, link, overlap, algorithm, hierarchical)
-    grad_op = {0: "all_reduce", 1: zero1_grad_op, 2: "reduce_scatter", 3: "reduce_scatter"}[stage]
-    limit = 2 if stage >= 2 else None          # buckets in flight (ZeRO-2/3 wait beyond two)
-    inflight: list[float] = []
-
-    def grads_ready(u):
-        if limit is not None:
-            while len(inflight) >= limit:
-                sim.wait(inflight.pop(0))
-        end = sim.issue(grad_op, u.numel * gw, u.name, group=None if hybrid != "hsdp" else intra)
-        if hybrid == "hsdp":                # the node's shard, across nodes, once it is reduced
-            end = sim.issue("all_reduce", u.numel * gw / len(intra), u.name, across, at=end)
-        inflight.append(end)
-
-    def gathered_on():                      # HSDP: always inside; hpZ: inside in backward
-        return intra if hybrid == "hsdp" or (hybrid == "hpz" and sim.phase == "backward") else None
-
-    def gather(u, pending):
-        if u.name in pending:
-            sim.wait(pending.pop(u.name))
+    ends: dict[int, float] = {}
+    for ev in schedule.record(stage, len(blocks), bool(root), **options):
+        if ev[0] == "compute":
+            sim.compute(named[ev[1]].fwd_s if ev[2] == "fwd" else named[ev[1]].bwd_s)
+        elif ev[0] == "wait":
+            if ev[1] in ends:
+                sim.wait(ends[ev[1]])
         else:
-            sim.wait(sim.issue("all_gather", u.numel * pw, u.name, gathered_on()))
-
-    def prefetch_after(order, k, pending):
-        ahead = order[k + 1:] if depth == -1 else order[k + 1:k + 1 + depth]
-        for nxt in ahead:
-            if nxt.name not in pending:
-                pending[nxt.name] = sim.issue("all_gather", nxt.numel * pw, nxt.name, gathered_on())
-
-    # --- forward ---
-    if zero12_gather not in ("after_step", "before_forward"):
-        raise ValueError(f"zero12_gather {zero12_gather!r} is not one of 'after_step', "
-                         "'before_forward'")
-    ahead = stage == 3 or (stage in (1, 2) and zero12_gather == "before_forward")
-    pending: dict[str, float] = {}
-    if ahead:
-        for u in root:
-            gather(u, pending)
-    for i, u in enumerate(blocks):
-        if ahead:
-            gather(u, pending)
-            if stage == 3:
-                prefetch_after(blocks, i, pending)
-            elif i + 1 < len(blocks) and blocks[i + 1].name not in pending:   # one unit ahead
-                pending[blocks[i + 1].name] = sim.issue("all_gather", blocks[i + 1].numel * pw,
-                                                        blocks[i + 1].name)
-        sim.compute(u.fwd_s)
-    for u in root:
-        sim.compute(u.fwd_s)
-    # --- backward ---
-    sim.phase = "backward"
-    pending = {}
-    if stage == 3 and not keep_root:
-        for u in root:
-            gather(u, pending)
-    for u in root:
-        sim.compute(u.bwd_s)
-    backward_order = blocks[::-1]
-    for k, u in enumerate(backward_order):
-        if stage == 3:
-            gather(u, pending)
-            prefetch_after(backward_order, k, pending)
-        sim.compute(u.bwd_s)
-        grads_ready(u)
-    for u in root:
-        grads_ready(u)
-    for end in inflight:
-        sim.wait(end)
-    # --- step ---
-    sim.phase = "step"
-    if stage >= 1 and clip:
-        sim.wait(sim.issue("all_reduce", 4, "grad_norm", intra if hybrid == "hsdp" else None))
-    if stage in (1, 2) and zero12_gather == "after_step":
-        ends = [sim.issue("all_gather", u.numel * pw, u.name) for u in root + blocks]
-        for end in ends:
-            sim.wait(end)
+            _, i, op, what, unit, fraction, tier, parent, sim.phase = ev
+            if what == "metric" and not clip:
+                continue
+            size = 4 if what == "metric" else fraction * named[unit].numel * width[what]
+            after = None if sim.blocking else ends.get(parent)    # (serial: one at a time)
+            ends[i] = sim.issue(op, size, named[unit].name if unit in named else unit,
+                                groups[tier], after)
     sim.out.total = sim.t
     return sim.out
 

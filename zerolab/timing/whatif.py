@@ -29,7 +29,8 @@ import textwrap
 import torch
 import torch.distributed as dist
 
-from .. import STRATEGIES, theory
+from .. import theory
+from ..compose import make_strategy
 from . import costmodel, hardware
 from ..comm import Comm
 from ..memory import TRANSIENT, MemoryMeter
@@ -112,7 +113,7 @@ def rank_report(stage: int, model: torch.nn.Module, comm: Comm, *, precision="bf
     meter = _MetaMeter()
     comm.records.clear()
     comm.step = 0
-    strategy = STRATEGIES[stage](model, comm, meter=meter, **kwargs)
+    strategy = make_strategy(stage, model, comm, meter=meter, **kwargs)
     device = next(model.parameters()).device
     x = torch.zeros(1, tokens, dtype=torch.long, device=device)
     meter.sample(strategy, "step start")

@@ -19,8 +19,9 @@ import contextlib
 
 import torch
 
-from .. import DDP, theory
+from .. import theory
 from ..comm import Comm
+from ..loopstep import LoopStepDDP
 from ..sharding import module_blocks
 from .backward import arm
 
@@ -38,7 +39,7 @@ class DistributedDataParallel(torch.nn.Module):
     only drift). device_ids / output_device: the module's own device is used (one device per
     rank, torch's recommended use); gradient_as_bucket_view, static_graph, check_reduction:
     accepted, no effect (gradients are always bucket views). dim other than 0 is refused.
-    Attributes: module, comm (the ledger: `comm.records`), strategy (zerolab.ddp.DDP).
+    Attributes: module, comm (the ledger: `comm.records`), strategy (zerolab.loopstep.LoopStepDDP).
     Raises RuntimeError (torch.distributed not initialised) and ValueError (bucket_cap_mb not a
     number > 0, dim != 0, device_ids naming more than one device), one line each."""
 
@@ -66,9 +67,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.comm = comm if comm is not None else Comm(process_group)
         blocks = None if hasattr(module, "zero_units") else module_blocks(module)
-        self.strategy = DDP(module, self.comm, blocks=blocks,
-                            bucket_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
-                            find_unused_parameters=find_unused_parameters, own_step=False)
+        self.strategy = LoopStepDDP(module, self.comm, blocks=blocks,
+                                    bucket_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
+                                    find_unused_parameters=find_unused_parameters)
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
 

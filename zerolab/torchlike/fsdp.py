@@ -13,7 +13,7 @@ DeepSpeed's and FSDP1's: the unit's elements end to end, split in N ranges), and
 module held a parameter now holds this rank's shard: an nn.Parameter (shape: its rows x the
 rest for "dim0", a 1-D piece for "flat") that is a view of the unit's master shard. A torch
 optimizer built afterwards over model.parameters() steps those shards in place. The outermost
-call builds zerolab's ZeRO3 strategy (own_step=False) over every unit: forward gathers a unit in
+call builds zerolab's ZeRO-3 for a loop that steps (zerolab.loopstep.LoopStepZeRO3) over every unit: forward gathers a unit in
 param_dtype just before its module runs and frees it after (reshard_after_forward=True); the
 loop's loss.backward() gathers again, reduce-scatters each unit's gradient as soon as it is
 ready and leaves each shard parameter's .grad = its piece of the averaged gradient.
@@ -24,10 +24,10 @@ import dataclasses
 
 import torch
 
-from .. import ZeRO3
 from ..comm import Comm
 from ..guards import is_placeholder, sync_module_states
-from ..sharding import ROOT, FlatUnit, shard_unit
+from ..loopstep import LoopStepZeRO3, shard_unit
+from ..sharding import ROOT, FlatUnit
 from .backward import arm, cast_floats
 
 
@@ -77,7 +77,7 @@ class FSDPModule:
 
     @property
     def zerolab_strategy(self):
-        """The zerolab.zero3.ZeRO3 running this model (on the root)."""
+        """The zerolab.loopstep.LoopStepZeRO3 running this model (on the root)."""
         return _root_state(self).strategy
 
 
@@ -173,7 +173,7 @@ def fully_shard(module: torch.nn.Module, *, mesh=None, reshard_after_forward=Non
         unit = FlatUnit(ROOT, [p for _, p in params.values()], comm.world_size, comm.rank,
                         names=[q for q, _ in params.values()], layout=layout)
         unit.grad_dtype, unit.reshard = mp_policy.reduce_dtype, reshard_after_forward
-        shard_unit(unit, mp_policy.reduce_dtype, mp_policy.param_dtype, own_step=False)
+        shard_unit(unit, mp_policy.reduce_dtype, mp_policy.param_dtype)
         unit.shard_params = []
         for (_, full), view in zip(params.values(), unit.shard_views(unit.master)):
             shard = torch.nn.Parameter(view, requires_grad=True)
@@ -205,8 +205,7 @@ def fully_shard(module: torch.nn.Module, *, mesh=None, reshard_after_forward=Non
     state.frozen = frozen if mp_policy.param_dtype is not None else []
     module._zerolab_fsdp = state
     # find_unused_parameters: a parameter no rank used keeps .grad None, as in FSDP2
-    state.strategy = ZeRO3(module, comm, units=units, own_step=False, keep_root=True,
-                           find_unused_parameters=True)
+    state.strategy = LoopStepZeRO3(module, comm, units=units, find_unused_parameters=True)
     state.hooks += [module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True),
                     module.register_forward_hook(_post_forward)]
     cls = type(module)

@@ -151,7 +151,7 @@ def run_zerolab(stage, args, tokens, cfg, group=None) -> dict:
     """zerolab's ZeRO-2 or ZeRO-3 (fp32, no clipping) over `group`, with its ledger."""
     comm = Comm(group=group)
     # ZeRO-3 one block at a time, like FSDP2's forward on CPU (no stream to prefetch on); zerolab's
-    # default gathers one block ahead (zero3.DEFAULT_PREFETCH)
+    # default gathers one block ahead (prefetch.DEFAULT_PREFETCH)
     kwargs = {"prefetch": 0} if stage == 3 else {}
     strategy = {2: ZeRO2, 3: ZeRO3}[stage](fresh_model(cfg, args.seed), comm, max_grad_norm=0.0,
                                             lr=args.lr, weight_decay=args.weight_decay, **kwargs)

@@ -44,7 +44,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import EXERCISES, diagnose, outcome, sandbox, watch
+from . import diagnose, outcome, sandbox, watch
+from .table import EXERCISES
 from ..testing import RanksFailed
 
 ATOL = 1e-6                 # fp32, as tests/test_equivalence.py (see its comment on lr 1e-4)
@@ -181,7 +182,8 @@ def check_worker(rank, n, name, impl):
 
 
 def _check_run(rank, n, name, impl, notes, found):
-    from ... import STRATEGIES, theory
+    from ... import theory
+    from ...compose import make_strategy
     from .. import testing
     from ...comm import Comm
     from ...guards import ShardedGrad
@@ -199,8 +201,8 @@ def _check_run(rank, n, name, impl, notes, found):
     # ZeRO-3 without prefetch: every block's gather then goes through the learner's gather_params
     # (a prefetched gather is issued by the strategy itself)
     kwargs = {"prefetch": 0} if ex.stage == 3 else {}
-    s = STRATEGIES[ex.stage](model, comm, max_grad_norm=MAX_NORM, lr=testing.LR,
-                             weight_decay=testing.WD, meter=meter, **kwargs)
+    s = make_strategy(ex.stage, model, comm, max_grad_norm=MAX_NORM, lr=testing.LR,
+                      weight_decay=testing.WD, meter=meter, **kwargs)
     psi = sum(u.padded_numel for u in s.units)
     worst, compared = 0.0, 0
 

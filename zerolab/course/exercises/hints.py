@@ -9,7 +9,7 @@ tuple the checker shows after a failure), which for (f)-(j) already run from ide
 """
 from __future__ import annotations
 
-from . import EXERCISES
+from .table import EXERCISES
 
 STEPS = {
     "shard_range": (

@@ -269,7 +269,7 @@ def _measure_knobs(rank, n):
     from ...ddp import DDP
     from ...memory import MemoryMeter
     from ...model import GPT, get_config
-    from ...zero3 import ZeRO3
+    from ...compose import make_strategy
     from ..testing import global_batch
 
     def model():
@@ -288,7 +288,7 @@ def _measure_knobs(rank, n):
         s.close()
     for depth in DEPTHS:
         m, meter = model(), MemoryMeter()
-        s = ZeRO3(m, Comm(), prefetch=depth, meter=meter)
+        s = make_strategy(3, m, Comm(), prefetch=depth, meter=meter)
         x, y = global_batch(m, 0, 2 * n)
         s.backward(s.forward(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
         units = {u.name: u.padded_numel for u in s.units}

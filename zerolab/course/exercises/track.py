@@ -292,7 +292,8 @@ def track_worker(rank, n, pairs):
     class's methods, sandbox.marked)."""
     import torch.distributed as dist
 
-    from . import EXERCISES, sandbox
+    from . import sandbox
+    from .table import EXERCISES
     out = []
     for name, impl in pairs:
         ex, before = EXERCISES[name], sandbox.calls()
@@ -310,7 +311,7 @@ def _methods(name: str) -> list[str]:
     """"Class.method" of each method the skeleton's class defines: each must run on every rank."""
     import inspect
 
-    from . import EXERCISES
+    from .table import EXERCISES
     from .checker import load_impl
     ex = EXERCISES[name]
     cls = getattr(load_impl(str(ex.skeleton), f"{name}_skeleton"), ex.functions[0])
