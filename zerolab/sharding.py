@@ -90,6 +90,7 @@ class FlatUnit:
         self.grad_views = None      # set by bind_grads when the buffer's dtype is not the params'
         self.rs_out = None          # a reduce_scatter's output while in flight (ZeRO-2/3)
         self.packed_grad = None     # layout "dim0": the packed bucket while in flight
+        self._views, self._messages = {}, {}    # made once (`views`, `messages`)
 
     # --- flat <-> per-parameter views -------------------------------------------------------
     def flatten(self, tensors=None, dtype=None) -> torch.Tensor:
@@ -102,9 +103,27 @@ class FlatUnit:
         return flat
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of `flat` [padded_numel] shaped like each parameter (no copy)."""
-        return [flat[off:off + shape.numel()].view(shape)
-                for shape, off in zip(self.shapes, self.offsets)]
+        """Views of `flat` [padded_numel] shaped like each parameter (no copy). The views of
+        the unit's own resident buffers (param_flat, grad_flat, unsharded) are made once: they
+        hold no memory of their own, and those buffers live as long as the unit."""
+        role = next((k for k, t in (("param", self.param_flat), ("grad", self.grad_flat),
+                                    ("unsharded", self.unsharded)) if t is flat), None)
+        made = self._views.get(role)
+        if made is not None and made[0] is flat:
+            return made[1]
+        views = [flat[off:off + shape.numel()].view(shape)
+                 for shape, off in zip(self.shapes, self.offsets)]
+        if role is not None:
+            self._views[role] = (flat, views)
+        return views
+
+    def messages(self, why: str, form: str = "{name}: {why}") -> list[str]:
+        """`form` for each parameter of the unit (its name, `why`), made once per (form, why):
+        what a placeholder says when it is read (`guards.shard_param`, `guards.shard_grads`)."""
+        key = (form, why)
+        if key not in self._messages:
+            self._messages[key] = [form.format(name=n, why=why) for n in self.names]
+        return self._messages[key]
 
     def bind_params(self, flat: torch.Tensor):
         """Make every parameter's data a view of `flat`, so writes to `flat` update the model.
@@ -141,8 +160,8 @@ class FlatUnit:
         """Make every parameter a placeholder (ZeRO-3 outside a gather: `guards.shard_param`):
         full shape, dtype and device, no memory, never a view of freed storage; reading or
         changing its values raises `guards.ShardedValues` with `why` and the parameter's name."""
-        for name, p, shape in zip(self.names, self.params, self.shapes):
-            guards.shard_param(p, shape, f"{name}: {why}")
+        for p, shape, message in zip(self.params, self.shapes, self.messages(why)):
+            guards.shard_param(p, shape, message)
         if self.unsharded is not None:
             free_storage(self.unsharded)
         for module, attr, _, shard in self.swap:    # the loop sees this rank's shards again
