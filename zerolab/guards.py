@@ -122,12 +122,18 @@ def _no_memory(shape, like: torch.Tensor) -> torch.Tensor:
 
 def shard_param(p: torch.nn.Parameter, shape, why: str):
     """Make `p` a ShardedParameter of `shape` whose values raise `why` (one line)."""
+    shard_params([p], [shape], [why])
+
+
+def shard_params(params, shapes, whys):
+    """`shard_param` for each parameter of `params` (with its shape and message)."""
     with torch._C.DisableTorchFunctionSubclass():
-        p.data = _no_memory(shape, p)
-    if type(p) is not ShardedParameter:
-        p.__dict__["_zerolab_class"] = type(p)
-        p.__class__ = ShardedParameter
-    p.__dict__["_zerolab_sharded"] = why
+        for p, shape, why in zip(params, shapes, whys):
+            p.data = _no_memory(shape, p)
+            if type(p) is not ShardedParameter:
+                p.__dict__["_zerolab_class"] = type(p)
+                p.__class__ = ShardedParameter
+            p.__dict__["_zerolab_sharded"] = why
 
 
 def is_placeholder(p: torch.Tensor) -> bool:
@@ -310,11 +316,13 @@ def check_step(sync: bool, fresh: bool):
 def check_untouched(unit):
     """Before a unit's all_gather: RuntimeError (one line, naming it) if the loop gave a parameter
     new data (`p.data = t`) while only its shard was held - the gather would overwrite t."""
-    for name, p in zip(unit.names, unit.params):
-        if not is_placeholder(p):
-            raise RuntimeError(f"parameter {name} was given new data (p.data = ...) while "
-                               "ZeRO-3 held only its shard: change weights inside "
-                               "`with strategy.gathered(modifier_rank=r):`")
+    with torch._C.DisableTorchFunctionSubclass():     # (one context for the unit)
+        for name, p in zip(unit.names, unit.params):
+            z = _ZEROS.get((p.dtype, p.device))
+            if z is None or p.untyped_storage().data_ptr() != z.untyped_storage().data_ptr():
+                raise RuntimeError(f"parameter {name} was given new data (p.data = ...) while "
+                                   "ZeRO-3 held only its shard: change weights inside "
+                                   "`with strategy.gathered(modifier_rank=r):`")
 
 
 def refuse_state_dict(modules, gathered) -> list:

@@ -160,8 +160,7 @@ class FlatUnit:
         """Make every parameter a placeholder (ZeRO-3 outside a gather: `guards.shard_param`):
         full shape, dtype and device, no memory, never a view of freed storage; reading or
         changing its values raises `guards.ShardedValues` with `why` and the parameter's name."""
-        for p, shape, message in zip(self.params, self.shapes, self.messages(why)):
-            guards.shard_param(p, shape, message)
+        guards.shard_params(self.params, self.shapes, self.messages(why))
         if self.unsharded is not None:
             free_storage(self.unsharded)
         for module, attr, _, shard in self.swap:    # the loop sees this rank's shards again

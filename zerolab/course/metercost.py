@@ -1,17 +1,24 @@
-"""The memory meter's cost: `zerolab train`'s step of each zerolab stage with the meter sampling,
-idle and absent, interleaved round by round (`zerolab bench --meter-cost`).
+"""What the instruments cost a step: the memory meter (sampling, idle, absent, interleaved round by
+round) and the training-loop guards, timed inside `zerolab train`'s step of each zerolab stage
+(`zerolab bench --meter-cost`).
 
 Idea: the meter (zerolab.memory.MemoryMeter) walks every storage a strategy holds, 10-47 times a
 step; a measurement of memory must not be paid for in time without saying how much. Each round
 runs one step of every variant of every stage, in an order rotated each round, after a barrier;
 a step's time is the slowest rank's. Two measures: the seconds spent inside `sample` per step,
-and the A/B ratio of a step to the same round's step without a meter. The bench's options
+and the A/B ratio of a step to the same round's step without a meter. The guards
+(zerolab.guards: what a PyTorch loop may do - zero_grad, edits, placeholders of sharded values,
+ranks that must agree) run in every step, with or without a meter: their seconds per step are
+timed in the steps without a meter by wrapping each guard the frame and the stages call
+(`GUARD_CALLS`, a perf_counter pair per call, ~1 us each, included). The bench's options
 (`bench.parser`) and checks apply; rank 0 writes OUT/meter_cost.json.
 
     zerolab bench --preset small --meter-cost --rounds 21
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import statistics
 import time
 
@@ -28,6 +35,38 @@ from .bench import METER_STAGES, check_args, rank_main, slowest_rank
 
 MODULE = "zerolab.course.metercost"
 METER_VARIANTS = ("none", "idle", "sampling")
+# the guards (zerolab.guards) the frame and the stages call, by the module whose names they are
+GUARD_CALLS = {"zerolab.strategy": ("check_trainable", "claim_grads", "check_all_used",
+                                    "check_step", "adopt_edits"),
+               "zerolab.zero2": ("claim_grads", "claim_shard_grads", "shard_grads"),
+               "zerolab.zero3": ("agree", "check_untouched", "claim_grads", "claim_shard_grads",
+                                 "shard_grads"),
+               "zerolab.guards": ("shard_params", "unshard_param")}   # ZeRO-3's placeholders
+
+
+@contextlib.contextmanager
+def timed_guards():
+    """Inside: every guard of GUARD_CALLS adds its seconds to the yielded {name: seconds}."""
+    spent, saved = {}, []
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return call
+    for module_name, names in GUARD_CALLS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, timed(name, getattr(module, name)))
+    try:
+        yield spent
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 class _TimedMeter(MemoryMeter):
@@ -73,6 +112,7 @@ def meter_cost(args) -> dict | None:
                                                       weight_decay=0.1, meter=meter), meter)
     times = {(s, v): [] for s in names for v in METER_VARIANTS}
     inside = {(s, v): [] for s in names for v in METER_VARIANTS}    # (seconds, calls) per step
+    guards = {s: [] for s in names}                     # {guard: seconds} per step, no meter
     for r in range(args.warmup + args.rounds):
         x, y = get_batch(tokens, r, args.batch_size, cfg.block_size, args.seed)
         x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
@@ -85,16 +125,19 @@ def meter_cost(args) -> dict | None:
                 meter.seconds, meter.calls = 0.0, 0
                 dist.barrier()
                 t0 = time.perf_counter()
-                if strategy.meter is not None:              # run/stage.py's step start
-                    meter.reset_peaks()
-                    meter.sample(strategy, "step start")
-                strategy.backward(strategy.forward(x, y))
-                strategy.step()
+                with (timed_guards() if variant == "none" else contextlib.nullcontext({})) as spent:
+                    if strategy.meter is not None:          # run/stage.py's step start
+                        meter.reset_peaks()
+                        meter.sample(strategy, "step start")
+                    strategy.backward(strategy.forward(x, y))
+                    strategy.step()
                 if r >= args.warmup:
                     times[name, variant].append(time.perf_counter() - t0)
                     inside[name, variant].append((meter.seconds, meter.calls))
+                    if variant == "none":
+                        guards[name].append(dict(spent))
     gathered = [None] * n
-    dist.all_gather_object(gathered, (times, inside))
+    dist.all_gather_object(gathered, (times, inside, guards))
     if rank != 0:
         return None
     rows = []
@@ -112,9 +155,18 @@ def meter_cost(args) -> dict | None:
                          "meter_min_s": min(meter_s), "meter_max_s": max(meter_s),
                          "samples_per_step": gathered[0][1][name, v][0][1],
                          "meter_share": statistics.median(meter_s) / base})
+    guard_rows = []
+    for name in names:                  # per guard, the slowest rank's seconds in a step
+        base = statistics.median(slowest_rank([g[0] for g in gathered], (name, "none"),
+                                              args.rounds))
+        per = {k: statistics.median(max(g[2][name][i].get(k, 0.0) for g in gathered)
+                                    for i in range(args.rounds))
+               for k in sorted({k for g in gathered for step in g[2][name] for k in step})}
+        guard_rows.append({"system": name, "step_s": base, "guards_s": per,
+                           "total_s": sum(per.values()), "share": sum(per.values()) / base})
     return {"preset": args.preset, "world_size": n, "rounds": args.rounds, "warmup": args.warmup,
             "batch_size": args.batch_size, "precision": "bf16", "backend": dist.get_backend(),
-            "rows": rows}
+            "rows": rows, "guards": guard_rows}
 
 
 def format_meter_cost(summary: dict) -> str:
@@ -132,6 +184,12 @@ def format_meter_cost(summary: dict) -> str:
         lines.append(f"{r['system']:<16}{r['variant']:<10}{r['median_s'] * 1e3:>9.1f}{spread:>11}"
                      f"{r['ratio_median']:>11.3f}{ratios:>13}{r['samples_per_step']:>9}"
                      f"{r['meter_s'] * 1e3:>13.3f}{inside:>13}{r['meter_share'] * 100:>9.2f}%")
+    lines.append("the training-loop guards (zerolab.guards), ms in a step without a meter (median "
+                 "of the slowest rank; % of that step):")
+    for g in summary.get("guards", []):
+        parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in g["guards_s"].items() if v >= 5e-6)
+        lines.append(f"{g['system']:<16}{g['total_s'] * 1e3:>6.2f} ms of {g['step_s'] * 1e3:.1f} "
+                     f"({g['share'] * 100:.1f}%): {parts}")
     return "\n".join(lines)
 
 
