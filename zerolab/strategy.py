@@ -211,10 +211,14 @@ class Strategy:
                                     unit=u.name, async_op=True)
 
     def consumed(self, u):
-        """After the update (torch's zero_grad(set_to_none=False)): p.grad reads zeros."""
+        """After the update, as torch's optimizer.step() then zero_grad(): no fp32 gradient is
+        kept, no parameter counts as used, and the gradient is zero (`zero_grad`)."""
         u.master.grad = None
-        u.grad_flat.zero_()
         u.used = [False] * len(u.params)
+        self.zero_grad(u)
+
+    def zero_grad(self, u):                 # DDP, ZeRO-1: p.grad, a view of it, reads zeros
+        u.grad_flat.zero_()                 # (torch's zero_grad(set_to_none=False))
 
     def _adopt_edits(self):
         for u in self.units:                # in place or `p.data = t`: the masters take them

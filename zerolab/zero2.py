@@ -111,10 +111,8 @@ class ZeRO2(Strategy):
         self.write_own(u)                                       # fp32 -> bf16, own range
         return self.gather_update(u)                            # every rank's range, to all
 
-    def consumed(self, u):                  # consumed, as torch's zero_grad() after the step
-        u.master.grad = None
+    def zero_grad(self, u):                 # the shard zeroed; p.grad, a placeholder, gone
         u.grad_shard.zero_()
-        u.used = [False] * len(u.params)
         for p in u.params:
             p.grad = None
 

@@ -272,10 +272,8 @@ class ZeRO3(Strategy):
         u.param_shard.copy_(u.master)                           # fp32 -> bf16, own range
         self._free(u)                       # anything still gathered holds the old weights
 
-    def consumed(self, u):                  # consumed, as torch's zero_grad() after the step
-        u.master.grad = None
+    def zero_grad(self, u):                 # the shard zeroed; p.grad, a placeholder, gone
         u.grad_shard.zero_()
-        u.used = [False] * len(u.params)
         for p in u.params:
             p.grad = None
 
