@@ -20,8 +20,6 @@ The default stays the notes' (DEFAULT_GATHER, measured below).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .guards import is_placeholder
@@ -159,11 +157,9 @@ class Deferred:
         self._complete()
         return super().full_parameters()
 
-    @contextlib.contextmanager
-    def gathered(self, modifier_rank=None):
+    def unshard(self):                      # gathered(): the deferred gathers done first
         self._complete()
-        with super().gathered(modifier_rank) as out:
-            yield out
+        super().unshard()
 
     def close(self):                        # the model keeps the full trained weights
         self.deferred.complete()

@@ -236,12 +236,25 @@ class Strategy:
 
     @contextlib.contextmanager
     def gathered(self, modifier_rank=None):
-        """Full weights in the block - always true below ZeRO-3. modifier_rank=r: on exit, rank
-        r's weights are broadcast and written into every rank's masters (DeepSpeed's
-        GatheredParameters). Without it, edits must be the same on every rank (RuntimeError,
-        one line, on every rank otherwise). Every rank must enter."""
-        before = fingerprint(self.units)
-        yield
+        """Full weights in the block (below ZeRO-3 they are always there; ZeRO-3 gathers them:
+        `unshard`). modifier_rank=r: on exit, rank r's weights are broadcast and written into
+        every rank's masters (DeepSpeed's GatheredParameters). Without it, edits must be the same
+        on every rank (RuntimeError, one line, on every rank otherwise). Every rank must enter."""
+        self.unshard()
+        try:
+            before = fingerprint(self.units)
+            yield
+            self.keep_edits(modifier_rank, before)
+        finally:
+            self.reshard()
+
+    def unshard(self):
+        """Before a gathered() block: every unit's full weights in place (here they are)."""
+
+    def reshard(self):
+        """After a gathered() block."""
+
+    def keep_edits(self, modifier_rank, before):
         if modifier_rank is None:           # the same edit on every rank: kept at the step
             check_edits(self.comm, self.units, before)
         else:

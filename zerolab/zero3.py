@@ -19,15 +19,13 @@ backward (zerolab/prefetch.py), quantized collectives (zerolab/quant.py), hybrid
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .guards import (ShardedGrad, agree, check_edits, check_untouched, claim_grads,
-                     claim_shard_grads, fingerprint, refuse_state_dict, shard_grads, take_replaced)
+                     claim_shard_grads, refuse_state_dict, shard_grads, take_replaced)
 from .optim import adam_state
 from .sharding import (alloc_storage, free_storage, keep_own_range, on_post_backward,
-                       on_pre_backward, write_back)
+                       on_pre_backward)
 from .strategy import Strategy
 
 SHARDED = ("ZeRO-3 holds only this rank's shard of the weights outside forward/backward: read "
@@ -51,19 +49,11 @@ def free_params(unit):
 
 class ZeRO3(Strategy):
     """Stage 3 around `model` on the ranks of `comm` (zerolab.comm.Comm); the options are
-    `Strategy`'s (max_grad_norm, find_unused_parameters, grad_dtype, meter, AdamW's; no
-    bucket_mb: a unit is one block, gathered and reduced on its own).
-
-    Outside forward / backward a parameter keeps its full shape, dtype and device but holds no
-    values: reading or changing them raises `guards.ShardedValues` naming `strategy.gathered()`.
-    As in FSDP2 a block is gathered by its own pre-forward hook and again by its pre-backward
-    hook (once per pass, however often it is called); its forward calls are counted and its
-    post-backward hook counts them down, so a block called in two forwards before one backward is
-    reduced after both; the root unit is gathered by the model's own forward hooks, so
-    `model(x, y)` under torch.no_grad() works between steps. backward(sync=False) keeps the full
-    local gradients in the buckets; the weights are still gathered in every micro-step, so every
-    rank must run the same micro-steps and call the blocks in the same order: ranks that differ
-    raise RuntimeError on every rank (`guards.agree`: one all_reduce of 4 int64 a backward)."""
+    `Strategy`'s (no bucket_mb: a unit is one block, gathered and reduced on its own). As in
+    FSDP2, a block is gathered by its own pre-forward hook and again by its pre-backward hook;
+    the root unit by the model's own forward hooks, so `model(x, y)` under torch.no_grad() works
+    between steps. Outside forward / backward a parameter keeps its shape, dtype and device but
+    holds no values: reading them raises `guards.ShardedValues` naming `strategy.gathered()`."""
 
     stage, name = 3, "ZeRO-3"
     prefetch, keep_root = 1, False                  # (prefetch.py: other depths, the root)
@@ -160,18 +150,21 @@ class ZeRO3(Strategy):
         if self.comm.current_phase == "backward":   # activation checkpointing recomputes it
             self._gather(u)
             return args
-        i = self.blocks.index(u)            # blocks this rank's forward skipped are gathered and
-        while self.next_block < i:          # freed anyway: every rank, the same all_gathers
-            skipped = self.blocks[self.next_block]
-            self._gather(skipped)
-            self._free(skipped)
-            self.next_block += 1
-        self.next_block = max(self.next_block, i + 1)
+        self._catch_up(self.blocks.index(u))
+        self.next_block = max(self.next_block, self.blocks.index(u) + 1)
         self._gather(u)
         if not torch.is_grad_enabled():
             return args
-        u.pending += 1                      # one more backward of this block to come
-        return on_post_backward(args, lambda: self._post_backward(u))
+        u.pending += 1                      # one more backward of this block to come (FSDP2's
+        return on_post_backward(args, lambda: self._post_backward(u))   # count: see claim)
+
+    def _catch_up(self, upto: int):
+        # blocks this rank's forward skipped (data-dependent control flow) are gathered and freed
+        # anyway, so that every rank issues the same all_gathers in the same order
+        for skipped in self.blocks[self.next_block:upto]:
+            self._gather(skipped)
+            self._free(skipped)
+        self.next_block = max(self.next_block, upto)
 
     def _post_forward(self, u):
         if self.comm.current_phase != "backward" and self.reshard_after_forward(u):
@@ -182,9 +175,7 @@ class ZeRO3(Strategy):
         return True
 
     def _root_post_forward(self):
-        for u in self.blocks[self.next_block:]:     # skipped at the end: same collectives
-            self._gather(u)
-            self._free(u)
+        self._catch_up(len(self.blocks))            # skipped at the end: same collectives
         self.next_block = 0
         self._drain_prefetch()
         for u in self.root:
@@ -196,9 +187,7 @@ class ZeRO3(Strategy):
         self.agreed = agree(self.comm, sync, self.agreed, self.units[0].master.device)
         super().begin_backward(sync)
         for u in self.root:                 # the root spans the whole backward too
-            self._gather(u)
-            u.bw_gathered = True
-            self._open_bucket(u)
+            self._gather_for_backward(u)
 
     def claim(self, u):                     # p.grad as the loop left it (zero_grad, assigned)
         u.bw_gathered = False
@@ -209,6 +198,9 @@ class ZeRO3(Strategy):
 
     def _pre_backward(self, u):
         self.ready.flush_before(u)          # the units after u with no backward pending are done
+        self._gather_for_backward(u)
+
+    def _gather_for_backward(self, u):      # its weights again, and a bucket for its gradient
         self._gather(u)
         u.bw_gathered = True
         self._open_bucket(u)
@@ -225,9 +217,7 @@ class ZeRO3(Strategy):
 
     def _grads_ready(self, u):
         if not u.bw_gathered:               # its backward never ran here (skipped in forward):
-            self._gather(u)                 # the same all_gather as the other ranks, then
-            u.bw_gathered = True            # reduce zeros
-            self._open_bucket(u)
+            self._gather_for_backward(u)    # the others' all_gather, then reduce zeros
         self._free(u)                       # this block's backward is done with its weights
         if not self.sync:                   # accumulate: the bucket stays, nothing is sent
             return
@@ -295,31 +285,26 @@ class ZeRO3(Strategy):
         with self.gathered():
             return super().full_parameters()
 
-    @contextlib.contextmanager
-    def gathered(self, modifier_rank=None):
-        """Full weights of every unit inside the block (one all_gather per unit, ledger phase
-        "eval"; every rank must enter): read them, `model.state_dict()`, run an eval forward.
-        modifier_rank=r: on exit, rank r's weights are broadcast and written into every rank's
-        bf16 and fp32 master shards (DeepSpeed's GatheredParameters; FSDP2's unshard)."""
+    def unshard(self):                      # gathered(): every unit, pinned until reshard()
         if self.pinned:
             raise RuntimeError("strategy.gathered() blocks do not nest")
         with self.comm.phase("eval"):
             for u in self.units:
                 self._gather(u)
-        before = fingerprint(self.units)
         self.pinned = True
-        try:
-            yield
-            for u in self.units:            # `p.data = t` inside the block: t's values count
-                take_replaced(u, u.param_flat)
-            if modifier_rank is not None:
-                write_back(self, modifier_rank, sharded=True)
-            elif check_edits(self.comm, self.units, before):   # the same edit on every rank
-                keep_own_range(self, sharded=True)
-        finally:
-            self.pinned = False
-            for u in self.units:
-                self._free(u)
+
+    def reshard(self):
+        self.pinned = False
+        for u in self.units:
+            self._free(u)
+
+    def keep_edits(self, modifier_rank, before):
+        for u in self.units:                # `p.data = t` inside the block: t's values count
+            take_replaced(u, u.param_flat)
+        if modifier_rank is not None:       # rank r's weights into every rank's shards
+            self.write_back(modifier_rank)
+        elif check_edits(self.comm, self.units, before):   # the same edit on every rank
+            keep_own_range(self, sharded=True)
 
     # --- checkpoint: this rank's range out, logical (unpadded) state in -----------------------
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
