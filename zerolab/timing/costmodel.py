@@ -25,11 +25,14 @@ here); `step_time` replays a step on either network.
 Compute (`flops.py`, re-exported here): (6Ψ + 12·L·d·T) FLOPs per token, attention included,
 over the FLOP/s training really reaches, the device's peak x MFU (default 0.4, what large runs
 report; 1.0 is the datasheet peak, which no run reaches). A step is then replayed as
-zerolab's strategies issue it (`step_time`): one compute stream, one link (or one per tier)
-that serves collectives in the order they were issued (NCCL runs a communicator's collectives in
-order on one stream; `linkemu` does the same). "Without overlap" waits for every collective as
-soon as it is issued; "with overlap" lets a bucket's gradient collective run during the rest of
-backward and, in ZeRO-3 with prefetch, the next block's all_gather during the current block.
+zerolab's strategies issue it (`step_time`): the schedule - every compute, collective and wait,
+in order - is recorded from the strategy code itself (`schedule.record`: the class
+zerolab.compose builds, run on a skeleton of the units; no second copy of any stage here), and
+replayed on one compute stream and one link (or one per tier) that serves collectives in the
+order they were issued (NCCL runs a communicator's collectives in order on one stream; `linkemu`
+does the same). "Without overlap" waits for every collective as soon as it is issued; "with
+overlap" lets a bucket's gradient collective run during the rest of backward and, in ZeRO-3
+with prefetch, the next block's all_gather during the current block.
 
 ZeRO-3 becomes communication-bound when a block's all_gather takes longer than its forward
 compute: (n-1)/n·2Ψ_b/β  >  2Ψ_b·T/(F·MFU), i.e. below T* = (n-1)/n · F·MFU/β tokens per rank
