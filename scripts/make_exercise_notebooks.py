@@ -41,7 +41,8 @@ PLAN = {
             "after every step every rank's parameters equal single-process AdamW on the global "
             "batch, the gradient norm is the global batch's, one all_reduce per bucket ran "
             "during backward, and each rank sent 2(n-1)/n × 4Ψ bytes (fp32)."),
-    "zero1": ("c_zero1", "05_zero1", 15, ["zerolab.zero1.ZeRO1.step"],
+    "zero1": ("c_zero1", "05_zero1", 15, ["zerolab.zero1.ZeRO1.update",
+                                          "zerolab.zero1.ZeRO1.publish"],
               "ZeRO-1 keeps DDP's forward and backward; only the update changes: each rank "
               "updates the master weights of its own range, writes them into its weights, and "
               "an all_gather brings every rank's updated range to everyone.",
@@ -57,7 +58,9 @@ PLAN = {
               "and sent equal the formulas for the precision the checker runs, fp32: 4Ψ + "
               "16Ψ/N held and 2(n-1)/n·4Ψ sent (in the notes' bf16 the same formulas read "
               "2Ψ + 14Ψ/N and 2(n-1)/n·2Ψ)."),
-    "zero3": ("e_zero3", "07_zero3", 15, ["zerolab.zero3.ZeRO3._gather", "zerolab.zero3.ZeRO3._free"],
+    "zero3": ("e_zero3", "07_zero3", 15, ["zerolab.zero3.ZeRO3._gather",
+                                          "zerolab.zero3.ZeRO3._start_gather",
+                                          "zerolab.zero3.ZeRO3._free"],
               "ZeRO-3 keeps only its own range of the weights too. Just before a block runs "
               "(forward, and again backward) its full weights are all-gathered into a buffer; "
               "right after, the buffer's memory is released.",
@@ -87,11 +90,14 @@ MORE = {
                ["zerolab.theory.mesh_groups"]),
     "buckets_prefetch": ("g_buckets_prefetch", "`notebooks/04_ddp.ipynb` (buckets) and "
                          "`notebooks/07_zero3.ipynb` (prefetch)", 15,
-                         ["zerolab.sharding.bucket_numel", "zerolab.zero3.ZeRO3._gather"],
+                         ["zerolab.sharding.bucket_numel", "zerolab.zero3.ZeRO3._gather",
+                          "zerolab.prefetch.PrefetchDepth._ahead"],
                          "Two knobs you will meet in every real run: torch DDP's bucket_cap_mb "
                          "(how many gradients share one all_reduce) and FSDP's / ZeRO-3's "
-                         "prefetch (how many blocks are gathered ahead). Predict what each does, "
-                         "then let the check measure it.",
+                         "prefetch (how many blocks are gathered ahead). In zerolab: a strategy's "
+                         "bucket_mb, and ZeRO-3's prefetch depth - one block in zero3.py, other "
+                         "depths a variant beside the stage, zerolab/prefetch.py (both shown "
+                         "below). Predict what each does, then let the check measure it.",
                          "the check compares `ddp_buckets` with zerolab's grouping on a few "
                          "hundred (sizes, cap, dtype) cases, then starts 3 gloo ranks that build "
                          "zerolab's DDP with four caps and ZeRO-3 with five prefetch depths on "
@@ -136,7 +142,8 @@ MORE = {
                        "against (n-1)/n × 4Ψ, the bytes your object keeps between steps against "
                        "12Ψ/N, and the step's time over an emulated link where every collective "
                        "pays (n-1) × 5 ms of latency.",
-                       ["zerolab.zero1.ZeRO1.step", "zerolab.zero1.publish_update"]),
+                       ["zerolab.zero1.ZeRO1.update", "zerolab.zero1.ZeRO1.publish",
+                        "zerolab.zero1.publish_update"]),
 }
 
 

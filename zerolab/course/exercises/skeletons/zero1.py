@@ -3,7 +3,7 @@
 # After backward, `unit.grad_flat` [Ψ_u] holds the averaged full gradient on every rank (DDP's
 # all_reduce). This rank keeps fp32 master weights (and AdamW's exp_avg / exp_avg_sq) only for
 # its own range: `unit.master` [Ψ_u/N] fp32. `unit.own(t)` is the view of t [Ψ_u] that this rank
-# owns. zerolab's step (zerolab/zero1.py) does, for every unit:
+# owns. zerolab's step (ZeRO1.update, zerolab/zero1.py) does, for every unit:
 #     unit.master.grad = own_gradient(unit)        # YOUR FUNCTION 1
 #     ... clip the global norm, torch's AdamW.step() on the master shards ...
 #     handle = publish_update(comm, unit)          # YOUR FUNCTION 2; the step waits for it

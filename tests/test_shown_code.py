@@ -1,0 +1,123 @@
+"""The notebooks show the package's code, and their prose says what the code shown says.
+
+Every `nb.show(X)` of a notebook or lab must name something that exists (the notebook's own
+imports, run on their own, resolve X), and the prose just before it - the markdown cell that
+introduces the code - may quote the lesson's members only where the code shown holds them: a
+quoted unit attribute (`param_shard`, `bucket`, ...) or strategy method (`_open_bucket`, ...)
+that the shown source does not contain is prose that no longer matches the code (what notebook
+07 had: a constructor described line by line that had become another one).
+
+Members are the names the lesson's files (zerolab/*.py) assign on a unit or a strategy
+(`u.NAME = `, `unit.NAME = `, `self.NAME = `) and the methods their classes define. A quoted
+call (`strategy.gathered()`) is the reader's API, not a description of the shown lines, and a
+class or module name (`FlatUnit`, `zerolab.sharding`) is not a member: neither is checked.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted([*ROOT.glob("notebooks/*.ipynb"), *ROOT.glob("notebooks/exercises/*.ipynb"),
+                    *ROOT.glob("labs/*.ipynb")])
+QUOTED = re.compile(r"`([A-Za-z_][A-Za-z0-9_.]*)(\(\))?`")
+
+
+def lesson_members() -> set[str]:
+    """Unit / strategy attributes assigned in the lesson's files, and their classes' methods."""
+    names = set()
+    for path in (ROOT / "zerolab").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                names |= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                       else [])
+            for t in targets:
+                for sub in ast.walk(t):
+                    if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                            and sub.value.id in ("u", "unit", "self")):
+                        names.add(sub.attr)
+    return {n for n in names if not n.startswith("__")}
+
+
+def imports(cells) -> list[str]:
+    out = []
+    for c in cells:
+        if c["cell_type"] != "code":
+            continue
+        try:
+            tree = ast.parse("".join(c["source"]))
+        except SyntaxError:                 # (a cell with IPython magics)
+            continue
+        out += [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return out
+
+
+def shown(source: str) -> list[str]:
+    """The first argument of every show(...) / nb.show(...) call in a code cell."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [ast.unparse(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and getattr(n.func, "attr", getattr(n.func, "id", None)) == "show" and n.args]
+
+
+def show_cells():
+    for path in NOTEBOOKS:
+        cells = json.loads(path.read_text())["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "code":
+                targets = shown("".join(cell["source"]))
+                if targets:
+                    yield path, cells, i, targets
+
+
+CASES = list(show_cells())
+
+
+def test_there_are_shows_to_check():
+    assert len(CASES) > 40 and len({p for p, *_ in CASES}) > 15
+
+
+@pytest.mark.parametrize("path", sorted({p for p, *_ in CASES}),
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_shown_name_exists_and_the_prose_quotes_what_it_shows(path):
+    members = lesson_members()
+    namespace: dict = {}
+    cells = json.loads(path.read_text())["cells"]
+    for line in imports(cells):
+        try:
+            exec(line, namespace)           # noqa: S102 - the notebook's own import lines
+        except ImportError:                 # (a helper script of the repo: scripts/)
+            pass
+    problems = []
+    for p, all_cells, i, targets in CASES:
+        if p != path:
+            continue
+        sources, lesson = [], False
+        for target in targets:
+            try:
+                obj = eval(target, namespace)   # noqa: S307 - a dotted name the notebook shows
+            except AttributeError as err:
+                problems.append(f"cell {i}: show({target}) names nothing: {err}")
+                continue
+            sources.append(inspect.getsource(obj))
+            lesson |= Path(inspect.getsourcefile(obj)).parent == ROOT / "zerolab"
+        before = all_cells[i - 1] if i else None
+        if not lesson or not before or before["cell_type"] != "markdown":
+            continue
+        words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", "\n".join(sources)))
+        for m in QUOTED.finditer("".join(before["source"])):
+            name = m.group(1).split(".")[-1]
+            if not m.group(2) and name in members and name not in words:
+                problems.append(f"cell {i - 1} quotes `{m.group(1)}`, which the code it "
+                                f"introduces ({', '.join(targets)}) does not hold")
+    assert not problems, "\n".join(problems)
