@@ -387,7 +387,7 @@ def format_table(summary: dict) -> str:
             f"The README's ratios are for --preset small. On {summary['preset']} each step has "
             "less compute, so costs paid once per step or per collective (Python hooks, the "
             "ledger, launching a collective) weigh more: zerolab's ratios to torch come out "
-            "larger (zerolab DDP measured 1.6-3.9x torch DDP on nano, 0.98-1.02x on small).", 100)
+            "larger (zerolab DDP measured 1.3-3.9x torch DDP on nano, 1.04-1.05x on small).", 100)
     if link:
         skipped = [s for s in summary.get("requested", names) if s not in names]
         if skipped:
