@@ -83,7 +83,7 @@ class ZeRO2(Strategy):
     def _open_bucket(self, u):
         if u.bucket is not None:            # open already (another block of this bucket)
             return
-        u.bucket = torch.zeros_like(u.param_flat, dtype=self.grad_dtype)  # [Ψ_u] bf16, transient
+        u.bucket = torch.zeros_like(u.param_flat, dtype=u.grad_shard.dtype)  # [Ψ_u] bf16, transient
         u.bind_grads(u.bucket)
         self._sample(f"bucket {u.name}")
 

@@ -56,7 +56,7 @@ class ZeRO3(Strategy):
     holds no values: reading them raises `guards.ShardedValues` naming `strategy.gathered()`."""
 
     stage, name = 3, "ZeRO-3"
-    prefetch, keep_root = 1, False                  # (prefetch.py: other depths, the root)
+    prefetch, keep_root = 1, False          # blocks gathered ahead (prefetch.py: other depths)
 
     def __init__(self, model, comm, **options):
         if options.get("bucket_mb") is not None:
@@ -85,7 +85,8 @@ class ZeRO3(Strategy):
         u.param_flat = u.flatten()                              # [Ψ_u] bf16, while gathered
         u.param_shard = u.own(u.param_flat).clone()             # [Ψ_u/N] bf16, resident
         u.master = self.new_master(u)                           # [Ψ_u/N] fp32, this rank's range
-        u.grad_shard = torch.zeros_like(u.param_shard, dtype=self.grad_dtype)   # [Ψ_u/N] bf16
+        u.grad_shard = torch.zeros(u.shard_numel, dtype=self.grad_dtype or u.param_flat.dtype,
+                                   device=u.param_flat.device)  # [Ψ_u/N] bf16, this rank's range
         u.unbind_params(SHARDED)                                # the parameters: placeholders
         free_storage(u.param_flat)                              # the full buffer's bytes go
 
@@ -118,11 +119,11 @@ class ZeRO3(Strategy):
         u.bind_params(u.param_flat)
 
     def _ahead(self, u) -> list:
-        """The blocks gathered ahead once `u` is: the next one in this pass's order."""
+        """The blocks gathered ahead once `u` is: the next `prefetch` in this pass's order."""
         if u not in self.blocks:
             return []
         order = self.blocks[::-1] if self.comm.current_phase == "backward" else self.blocks
-        return order[order.index(u) + 1:order.index(u) + 2]
+        return order[order.index(u) + 1:order.index(u) + 1 + self.prefetch]
 
     def _free(self, u):
         if self.pinned or not u.gathered:   # (inside gathered(), or freed already)
@@ -211,7 +212,7 @@ class ZeRO3(Strategy):
     def _open_bucket(self, u):
         if u.bucket is not None:            # open already (accumulating, or a second graph)
             return
-        u.bucket = torch.zeros_like(u.param_flat, dtype=u.grad_shard.dtype)  # [Ψ_u], transient
+        u.bucket = torch.zeros_like(u.param_flat, dtype=u.grad_shard.dtype)  # [Ψ_u] bf16, transient
         u.bind_grads(u.bucket)
         self._sample(f"bucket {u.name}")
 
@@ -223,17 +224,18 @@ class ZeRO3(Strategy):
             return
         while len(self.inflight) > 1:       # keep at most two buckets in flight
             self.inflight.pop(0).wait()
+        u.grad_views = None                 # the gradients are in the bucket now
         self._reduce_scatter(u)
         self._sample(f"reduce_scatter {u.name}")
 
-    def _reduce_scatter(self, u):
+    def _reduce_scatter(self, u):           # ZeRO-2's reduce_scatter_bucket, with `_reduced`
         out = u.rs_out = torch.empty_like(u.grad_shard)       # [Ψ_u/N] bf16, in flight
         handle = self.comm.reduce_scatter(out, u.bucket, what="grads", unit=u.name,
                                           async_op=True)
 
         def done():
             self._reduced(u, out)                              # accumulate the averaged shard
-            u.bucket = u.grad_views = u.rs_out = None          # free the full-gradient bucket
+            u.bucket = u.rs_out = None                         # free the full-gradient bucket
             for p in u.params:
                 p.grad = None
         handle.on_done = done
@@ -249,7 +251,7 @@ class ZeRO3(Strategy):
             self._free(u)                   # held since forward, backward never reached it
 
     def synced(self):                       # the averaged gradient lives in shards only
-        shard_grads(self.units, "ZeRO-3")
+        shard_grads(self.units, f"ZeRO-{self.stage}")
 
     # --- step: update the owned range; nothing to gather, nobody keeps full weights -----------
     def update(self, used) -> torch.Tensor:
