@@ -91,13 +91,13 @@ MORE = {
     "buckets_prefetch": ("g_buckets_prefetch", "`notebooks/04_ddp.ipynb` (buckets) and "
                          "`notebooks/07_zero3.ipynb` (prefetch)", 15,
                          ["zerolab.sharding.bucket_numel", "zerolab.zero3.ZeRO3._gather",
-                          "zerolab.prefetch.PrefetchDepth._ahead"],
+                          "zerolab.zero3.ZeRO3._ahead"],
                          "Two knobs you will meet in every real run: torch DDP's bucket_cap_mb "
                          "(how many gradients share one all_reduce) and FSDP's / ZeRO-3's "
                          "prefetch (how many blocks are gathered ahead). In zerolab: a strategy's "
-                         "bucket_mb, and ZeRO-3's prefetch depth - one block in zero3.py, other "
-                         "depths a variant beside the stage, zerolab/prefetch.py (both shown "
-                         "below). Predict what each does, then let the check measure it.",
+                         "bucket_mb, and ZeRO-3's prefetch depth - one block in zero3.py, which "
+                         "_ahead reads; other depths are set by a variant beside the stage, "
+                         "zerolab/prefetch.py. Predict what each does, then let the check measure it.",
                          "the check compares `ddp_buckets` with zerolab's grouping on a few "
                          "hundred (sizes, cap, dtype) cases, then starts 3 gloo ranks that build "
                          "zerolab's DDP with four caps and ZeRO-3 with five prefetch depths on "

@@ -292,14 +292,18 @@ class Comm:
             raise ValueError(f"{op}: full tensor has {full.numel()} elements, expected "
                              f"{self.world_size} x {chunk.numel()} (chunk size x world_size)")
 
-    def _issue(self, op, full, what, unit, async_op, call, post=None) -> Handle:
-        n = self.world_size
+    def _record(self, op, full, what, unit) -> Record:
+        """The ledger's record of `op` on `full` [S] (appended to `records`)."""
         size = full.numel() * full.element_size()
         record = Record(step=self.step, phase=self.current_phase, op=op, what=what, unit=unit,
-                        dtype=str(full.dtype), numel=full.numel(), group_size=n,
-                        size_bytes=size, bytes=size * theory.RING_FACTOR[op](n),
+                        dtype=str(full.dtype), numel=full.numel(), group_size=self.world_size,
+                        size_bytes=size, bytes=size * theory.RING_FACTOR[op](self.world_size),
                         seq=len(self.records), tier=self.tier)
         self.records.append(record)
+        return record
+
+    def _issue(self, op, full, what, unit, async_op, call, post=None) -> Handle:
+        record = self._record(op, full, what, unit)
         handle = Handle(work=None, record=record, started=time.perf_counter(), comm=self,
                         cuda=full.is_cuda, post=post)
         with _issuing(record):                   # labelled ranges in a --trace profile

@@ -88,7 +88,7 @@ def make_strategy(stage: int, model, comm, *, grad_op="all_reduce", gather=DEFAU
     cls = strategy_class(stage, grad_op=grad_op, gather=gather, offload=offload,
                          prefetch=prefetch, keep_root=keep_root, hybrid=hybrid)
     extra = {"offload": offload} if offload else {}
-    if cls is not STAGE_CLASSES.get(stage) and issubclass(cls, PrefetchDepth):
+    if issubclass(cls, PrefetchDepth):
         extra["prefetch"] = prefetch
     if hybrid is not None:
         extra["ranks_per_node"] = ranks_per_node

@@ -120,13 +120,9 @@ def _no_memory(shape, like: torch.Tensor) -> torch.Tensor:
     return _ZEROS[key].expand(shape) if len(shape) else _ZEROS[key].view(())
 
 
-def shard_param(p: torch.nn.Parameter, shape, why: str):
-    """Make `p` a ShardedParameter of `shape` whose values raise `why` (one line)."""
-    shard_params([p], [shape], [why])
-
-
 def shard_params(params, shapes, whys):
-    """`shard_param` for each parameter of `params` (with its shape and message)."""
+    """Make each parameter of `params` a ShardedParameter of its shape whose values raise its
+    message of `whys` (one line)."""
     with torch._C.DisableTorchFunctionSubclass():
         for p, shape, why in zip(params, shapes, whys):
             p.data = _no_memory(shape, p)

@@ -8,7 +8,7 @@ gathered block alive. Two knobs change *when*, never what is moved:
 - `PrefetchDepth` (--zero3-prefetch-depth k): k blocks ahead instead of one (k + 1 gathered
   blocks at the peak), -1 all the remaining blocks at once (FSDP's unlimited in-flight gathers),
   0 none (--no-zero3-prefetch: the notes' picture, one block gathered at a time, every gather on
-  the critical path). It sets the depth ZeRO3._ahead reads, and takes -1 itself.
+  the critical path). It sets the depth that ZeRO3._ahead reads.
 - `KeepRoot` (--zero3-keep-root): the root unit (tied embedding and head, position embedding,
   final norm) stays gathered from the end of forward into backward, whose first op needs it
   again: one all_gather fewer a step, the root's full weights held in between (FSDP2 keeps its
@@ -48,12 +48,6 @@ class PrefetchDepth:
     def __init__(self, model, comm, *, prefetch=DEFAULT_PREFETCH, **options):
         self.prefetch = check_depth(prefetch)
         super().__init__(model, comm, **options)
-
-    def _ahead(self, u) -> list:            # -1: every block after u (ZeRO3's reads k ahead)
-        if self.prefetch >= 0 or u not in self.blocks:
-            return super()._ahead(u)
-        order = self.blocks[::-1] if self.comm.current_phase == "backward" else self.blocks
-        return order[order.index(u) + 1:]
 
 
 class KeepRoot:

@@ -119,7 +119,7 @@ class FlatUnit:
 
     def messages(self, why: str, form: str = "{name}: {why}") -> list[str]:
         """`form` for each parameter of the unit (its name, `why`), made once per (form, why):
-        what a placeholder says when it is read (`guards.shard_param`, `guards.shard_grads`)."""
+        what a placeholder says when it is read (`guards.shard_params`, `guards.shard_grads`)."""
         key = (form, why)
         if key not in self._messages:
             self._messages[key] = [form.format(name=n, why=why) for n in self.names]
@@ -157,7 +157,7 @@ class FlatUnit:
             p.grad = view
 
     def unbind_params(self, why: str):
-        """Make every parameter a placeholder (ZeRO-3 outside a gather: `guards.shard_param`):
+        """Make every parameter a placeholder (ZeRO-3 outside a gather: `guards.shard_params`):
         full shape, dtype and device, no memory, never a view of freed storage; reading or
         changing its values raises `guards.ShardedValues` with `why` and the parameter's name."""
         guards.shard_params(self.params, self.shapes, self.messages(why))

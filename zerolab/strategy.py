@@ -43,8 +43,6 @@ from .sharding import (GradReady, bucket_numel, build_units, check_all_used, che
                        fp32_grads, global_used, grad_copies, write_back)
 
 ADAMW = tuple(inspect.signature(make_flat_optimizer).parameters)[2:]   # lr, betas, eps, ...
-VARIANT_OPTIONS = ("grad_op", "gather", "offload", "prefetch", "keep_root", "quantize", "hybrid",
-                   "ranks_per_node")                            # zerolab.compose's
 
 
 class Strategy:
@@ -67,10 +65,10 @@ class Strategy:
                  grad_dtype=None, bucket_mb=None, meter=None, **adamw):
         for key in adamw:
             if key not in ADAMW:
-                variant = " (a variant's: zerolab.compose.make_strategy)" * (key in VARIANT_OPTIONS)
-                raise TypeError(f"{type(self).__name__} got an unexpected option {key!r}{variant}; "
-                                f"it takes max_grad_norm, find_unused_parameters, grad_dtype, "
-                                f"bucket_mb, meter, {', '.join(ADAMW)}")
+                raise TypeError(f"{type(self).__name__} got an unexpected option {key!r}: it takes "
+                                f"max_grad_norm, find_unused_parameters, grad_dtype, bucket_mb, "
+                                f"meter, {', '.join(ADAMW)}; a variant's option goes to "
+                                "zerolab.compose.make_strategy")
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype, self.bucket_mb = (find_unused_parameters, grad_dtype,

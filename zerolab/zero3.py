@@ -123,7 +123,8 @@ class ZeRO3(Strategy):
         if u not in self.blocks:
             return []
         order = self.blocks[::-1] if self.comm.current_phase == "backward" else self.blocks
-        return order[order.index(u) + 1:order.index(u) + 1 + self.prefetch]
+        k = order.index(u)
+        return order[k + 1:None if self.prefetch < 0 else k + 1 + self.prefetch]   # -1: all
 
     def _free(self, u):
         if self.pinned or not u.gathered:   # (inside gathered(), or freed already)

@@ -41,7 +41,7 @@ import functools
 
 import torch
 
-from ..comm import Comm, Handle, Record
+from ..comm import Comm, Handle
 from .. import theory
 
 N_RECORD = 2                # ranks of the recorded world (hybrid: two nodes of k)
@@ -69,12 +69,7 @@ class RecordingComm(Comm):
                               self, "inter"))
 
     def _issue(self, op, full, what, unit, async_op, call, post=None) -> Handle:
-        n, size = self.world_size, full.numel() * full.element_size()
-        record = Record(step=self.step, phase=self.current_phase, op=op, what=what, unit=unit,
-                        dtype=str(full.dtype), numel=full.numel(), group_size=n,
-                        size_bytes=size, bytes=size * theory.RING_FACTOR[op](n),
-                        seq=len(self.records), tier=self.tier)
-        self.records.append(record)
+        record = self._record(op, full, what, unit)
         waiting = self.root.waiting
         self.events.append(["issue", len(self.events), op, what, unit, full.numel(), self.tier,
                             waiting[-1] if waiting else None, self.current_phase])
