@@ -87,37 +87,60 @@ def test_there_are_shows_to_check():
     assert len(CASES) > 40 and len({p for p, *_ in CASES}) > 15
 
 
-@pytest.mark.parametrize("path", sorted({p for p, *_ in CASES}),
-                         ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_every_shown_name_exists_and_the_prose_quotes_what_it_shows(path):
+def problems(cells: list[dict]) -> list[str]:
+    """What is wrong with a notebook's shows (its cells): a name that resolves to nothing, or
+    prose before a show of lesson code that quotes a member the shown code does not hold."""
     members = lesson_members()
     namespace: dict = {}
-    cells = json.loads(path.read_text())["cells"]
     for line in imports(cells):
         try:
             exec(line, namespace)           # noqa: S102 - the notebook's own import lines
         except ImportError:                 # (a helper script of the repo: scripts/)
             pass
-    problems = []
-    for p, all_cells, i, targets in CASES:
-        if p != path:
-            continue
+    found = []
+    for i, cell in enumerate(cells):
+        targets = shown("".join(cell["source"])) if cell["cell_type"] == "code" else []
         sources, lesson = [], False
         for target in targets:
             try:
                 obj = eval(target, namespace)   # noqa: S307 - a dotted name the notebook shows
             except AttributeError as err:
-                problems.append(f"cell {i}: show({target}) names nothing: {err}")
+                found.append(f"cell {i}: show({target}) names nothing: {err}")
                 continue
             sources.append(inspect.getsource(obj))
             lesson |= Path(inspect.getsourcefile(obj)).parent == ROOT / "zerolab"
-        before = all_cells[i - 1] if i else None
+        before = cells[i - 1] if i else None
         if not lesson or not before or before["cell_type"] != "markdown":
             continue
         words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", "\n".join(sources)))
         for m in QUOTED.finditer("".join(before["source"])):
             name = m.group(1).split(".")[-1]
             if not m.group(2) and name in members and name not in words:
-                problems.append(f"cell {i - 1} quotes `{m.group(1)}`, which the code it "
-                                f"introduces ({', '.join(targets)}) does not hold")
-    assert not problems, "\n".join(problems)
+                found.append(f"cell {i - 1} quotes `{m.group(1)}`, which the code it "
+                             f"introduces ({', '.join(targets)}) does not hold")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted({p for p, *_ in CASES}),
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_shown_name_exists_and_the_prose_quotes_what_it_shows(path):
+    found = problems(json.loads(path.read_text())["cells"])
+    assert not found, "\n".join(found)
+
+
+def _cell(kind: str, text: str) -> dict:
+    return {"cell_type": kind, "source": [text], "metadata": {}}
+
+
+def test_a_made_up_mismatch_is_found():
+    """Members of the kind the test is for, made up: prose describing a bucket above the code
+    that holds none, and a show of a method that does not exist; the matching pair passes."""
+    imports_cell = _cell("code", "from zerolab import nb\nfrom zerolab.zero3 import ZeRO3")
+    said = "Just before a block's backward, `_open_bucket` allocates its `bucket`."
+    assert problems([imports_cell, _cell("markdown", said), _cell("code", "nb.show(ZeRO3.hold)")]) \
+        == ["cell 1 quotes `_open_bucket`, which the code it introduces (ZeRO3.hold) does not hold",
+            "cell 1 quotes `bucket`, which the code it introduces (ZeRO3.hold) does not hold"]
+    assert problems([imports_cell, _cell("markdown", said),
+                     _cell("code", "nb.show(ZeRO3._open_bucket)")]) == []
+    gone = problems([imports_cell, _cell("code", "nb.show(ZeRO3.step_old)")])
+    assert len(gone) == 1 and "show(ZeRO3.step_old) names nothing" in gone[0]
