@@ -49,7 +49,6 @@ PEAK_CAPS = (None, 0.1, 0.15, 1)                # nano with 8 blocks: buckets of
 def _worker(rank, n):
     import torch.distributed as dist
 
-    from zerolab import STRATEGIES
 
     from zerolab.compose import make_strategy
     from zerolab.comm import Comm

@@ -433,7 +433,6 @@ def _train_steps(strategy, model, job, rank, n, start, stop):
 
 
 def _strategy(stage, model, job, **kwargs):
-    from zerolab import STRATEGIES
     from zerolab.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.course.testing import LR, WD

@@ -26,7 +26,6 @@ def train_worker(rank, n, jobs):
     job and variant: this rank's per-step local losses and grad norms, final parameters, units."""
     import torch.distributed as dist
 
-    from zerolab import STRATEGIES
 
     from zerolab.compose import make_strategy
     from zerolab.comm import Comm
@@ -226,7 +225,6 @@ def test_params_used_on_some_ranks_none_or_frozen_later_match(runs2):
 def refusing_worker(rank, n):
     """Situations a strategy refuses at once, with one line naming the parameter."""
     from zerolab import STRATEGIES
-    from zerolab.compose import make_strategy
     from zerolab.comm import Comm
 
     out = {}

@@ -26,7 +26,6 @@ BF16_ACCUM = dict(NANO, precision="bf16", grad_accum=2, rows_per_micro=1, lr=1e-
 
 
 def _strategy(stage, grad_op, model, comm, job, gather, **kw):
-    from zerolab import STRATEGIES
     from zerolab.compose import make_strategy
     kwargs = dict(max_grad_norm=job["max_norm"], lr=job.get("lr", testing.LR),
                   weight_decay=testing.WD, find_unused_parameters=job.get("find_unused", False),

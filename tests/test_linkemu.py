@@ -25,7 +25,6 @@ import torch
 import torch.nn as nn
 from conftest import run_ranks
 
-from zerolab import STRATEGIES
 
 from zerolab.compose import make_strategy
 from zerolab.timing import hardware

@@ -149,7 +149,6 @@ EMB, BIAS = {}, {}
 def loop_worker(rank, n, loops):
     import torch.distributed as dist
 
-    from zerolab import STRATEGIES
 
     from zerolab.compose import make_strategy
     from zerolab.comm import Comm
@@ -361,7 +360,6 @@ def reads_worker(rank, n):
 
     from zerolab import STRATEGIES
 
-    from zerolab.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.model import num_params
     from zerolab.sharding import storage_bytes

@@ -33,7 +33,6 @@ LINK = "0.1@100"        # 12.5 MB/s, α 100 us: nano's 34,688 B a step each way 
 
 
 def _build(stage, grad_op, gather, model, comm, job, off, meter=None):
-    from zerolab import STRATEGIES
     from zerolab.compose import make_strategy
     kw = dict(max_grad_norm=job["max_norm"], lr=job.get("lr", testing.LR), weight_decay=testing.WD,
               gather=gather, offload=off, meter=meter)

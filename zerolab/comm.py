@@ -311,7 +311,8 @@ class Comm:
         if self.backend != "nccl":
             self._stamp_completion(handle)
         if self.link is not None:                # emulated network: done no sooner than the model
-            handle.work = self.link.issue(handle.work, op, size, handle, ranks=self.ranks)
+            handle.work = self.link.issue(handle.work, op, record.size_bytes, handle,
+                                          ranks=self.ranks)
         handle.work = _waiting(handle.work, record)
         self._pending.append(handle)
         if not async_op:
