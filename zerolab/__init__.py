@@ -8,6 +8,8 @@ the few modules they stand on, read in this order, each importing only those abo
     guards      what the training loop may do to weights and gradients: rank 0's init, the
                 loop's zero_grad and edits taken in, placeholders that refuse sharded values
     hooks       when gradients are ready and when a block's backward begins and ends
+    order       collectives issued in a different order on the ranks: found, stopped in one line
+    leaves      leaf modules (a mixture of experts' layer): blocks gathered as one unit
     comm        every collective, recorded in a per-rank ledger (and labelled in a profile)
     tiers       two tiers: a node's ranks and the ranks across nodes (their Comms, one ledger),
                 the hierarchical all_reduce, and the bytes per tier of ZeRO-3, HSDP and hpZ
@@ -54,6 +56,7 @@ pyproject.toml).
 """
 from .compose import make_strategy
 from .ddp import DDP
+from .leaves import set_leaf_modules
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3

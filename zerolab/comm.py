@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import theory
+from .order import watched_wait
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases (2.11 on the GPU
 # machine) only have the old names. This is the one compatibility shim.
@@ -167,7 +168,10 @@ class Handle:
         if self.done:
             return
         if self.work is not None:
-            self.work.wait()
+            if self.comm is not None and self.comm.backend != "nccl":
+                watched_wait(self.work, self.comm, self.record)     # stalls compared: order.py
+            else:
+                self.work.wait()
             if self.comm is not None and self.comm.backend != "nccl":
                 now = time.perf_counter()   # completion happened before wait() returned
                 self.completed_at = min(self.completed_at or now, now)
@@ -357,7 +361,7 @@ class Comm:
                 if h.completed_at is None:
                     if not block:
                         return
-                    h.work.wait()           # nobody waited for it: wait now (no on_done)
+                    watched_wait(h.work, self, h.record)    # nobody waited: now (no on_done)
                     h.completed_at = h.completed_at or time.perf_counter()
                 self._settle_gloo(h)
             if h.done:                      # drop the Work and the tensors it references

@@ -305,7 +305,19 @@ def check_step(sync: bool, fresh: bool):
                            "run a backward first")
     if not sync:
         raise RuntimeError("step() after backward(sync=False): the gradients were never reduced "
-                           "across ranks; pass sync=True to the last micro-step's backward")
+                           "across ranks; pass sync=True to the last micro-step's backward, or "
+                           "call strategy.sync_grads() before step() when that micro-step was "
+                           "skipped (it reduces what was accumulated)")
+
+
+def check_sync_grads(sync: bool, fresh: bool):
+    """Before `Strategy.sync_grads()`: RuntimeError (one line) unless backward(sync=False) ran
+    since the last synchronising backward or step."""
+    if not fresh or sync:
+        raise RuntimeError("sync_grads() with nothing to reduce: it finishes an accumulation of "
+                           "backward(sync=False) micro-steps; " + (
+                               "the last backward already reduced the gradients" if fresh else
+                               "no backward ran since the last step"))
 
 
 # --- ZeRO-3: the weights are placeholders between passes ---------------------------------------

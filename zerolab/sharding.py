@@ -21,6 +21,7 @@ import math
 import torch
 
 from . import guards, theory
+from .leaves import group_blocks
 from .hooks import (GradReady, on_grads_ready, on_post_backward,  # noqa: F401 - re-exported:
                     on_pre_backward)                                # the strategies' hooks
 
@@ -249,7 +250,7 @@ def build_units(model: torch.nn.Module, world_size: int, rank: int,
     named "block.0-2"; None: one unit per block. layout: "flat" or "dim0" (`FlatUnit`)."""
     if blocks is None:
         blocks = list(model.zero_units()) if hasattr(model, "zero_units") else []
-    named_units = list(blocks)
+    named_units = group_blocks(model, blocks)           # a leaf module: one unit (leaves.py)
     inner = {name: {id(m) for m in module.modules()} for name, module in named_units}
     owners: dict[int, list[str]] = {}
     for name, module in named_units:
@@ -285,8 +286,9 @@ def module_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     `zero_units()`: every submodule that directly holds a trainable parameter (a Linear, an
     Embedding, a LayerNorm, ...), in registration order - the order of `model.parameters()`,
     which torch DDP also takes as the forward order for its buckets."""
-    return [(name, m) for name, m in model.named_modules()
-            if m is not model and any(p.requires_grad for p in m.parameters(recurse=False))]
+    return group_blocks(model, [
+        (name, m) for name, m in model.named_modules()
+        if m is not model and any(p.requires_grad for p in m.parameters(recurse=False))])
 
 
 def bucket_numel(bucket_mb: float | None, model: torch.nn.Module, grad_dtype=None) -> int | None:

@@ -35,8 +35,8 @@ import inspect
 
 import torch
 
-from .guards import (adopt_edits, check_edits, check_step, claim_grads, fingerprint,
-                     sync_module_states)
+from .guards import (adopt_edits, check_edits, check_step, check_sync_grads, claim_grads,
+                     fingerprint, sync_module_states)
 from .optim import (adam_state, clip_grad_norm_, make_flat_optimizer, optimizer_states,
                     set_adam_state)
 from .sharding import (GradReady, bucket_numel, build_units, check_all_used, check_trainable,
@@ -127,6 +127,17 @@ class Strategy:
         finally:
             self.end_backward()
 
+    def sync_grads(self):
+        """Reduce the gradients accumulated by backward(sync=False) now, as a sync=True backward
+        would at its end - for a loop that cannot run that backward (its last micro-batch was
+        skipped: the forward raised, the data ran out). Every rank calls it where the others run
+        their last backward or call it too. RuntimeError (one line) with nothing to reduce."""
+        check_sync_grads(self.sync, self.fresh)
+        self.sync = True
+        self.phase_before, self.comm.current_phase = self.comm.current_phase, "backward"
+        self.ready.start()
+        self.end_backward()                 # every unit ready: its collective, in one order
+
     def begin_backward(self, sync=True):
         """Everything before `loss.backward()` (the torch-shaped wrappers call it when the
         gradient of the model's output arrives: `torchlike.backward.arm`)."""
@@ -149,12 +160,12 @@ class Strategy:
             while self.inflight:
                 self.inflight.pop(0).wait()
             self.finish_backward()
+            if self.sync and not self.find_unused:
+                check_all_used(self.units, self.comm.rank)
+            if self.sync:
+                self.synced()               # (its collectives, if any, are the backward's)
         finally:
             self.comm.current_phase = self.phase_before
-        if self.sync and not self.find_unused:
-            check_all_used(self.units, self.comm.rank)
-        if self.sync:
-            self.synced()
         self._sample("backward done")
 
     def finish_backward(self):

@@ -24,6 +24,7 @@ import torch
 from .guards import (ShardedGrad, agree, check_edits, check_untouched, claim_grads,
                      claim_shard_grads, refuse_state_dict, shard_grads, take_replaced)
 from .optim import adam_state
+from .order import confirm
 from .sharding import (alloc_storage, free_storage, keep_own_range, on_post_backward,
                        on_pre_backward)
 from .strategy import Strategy
@@ -152,8 +153,12 @@ class ZeRO3(Strategy):
         if self.comm.current_phase == "backward":   # activation checkpointing recomputes it
             self._gather(u)
             return args
-        self._catch_up(self.blocks.index(u))
-        self.next_block = max(self.next_block, self.blocks.index(u) + 1)
+        k = self.blocks.index(u)
+        if k < self.next_block and not (u.gathered or self.pinned or u.name in self.prefetched):
+            confirm(self.comm, f"all_gather params {u.name} (called again or out of order)",
+                    u.name)                 # only if every rank does: zerolab/order.py
+        self._catch_up(k)
+        self.next_block = max(self.next_block, k + 1)
         self._gather(u)
         if not torch.is_grad_enabled():
             return args
@@ -291,6 +296,7 @@ class ZeRO3(Strategy):
     def unshard(self):                      # gathered(): every unit, pinned until reshard()
         if self.pinned:
             raise RuntimeError("strategy.gathered() blocks do not nest")
+        confirm(self.comm, "gathered()")    # on every rank, or refused: zerolab/order.py
         with self.comm.phase("eval"):
             for u in self.units:
                 self._gather(u)

@@ -28,6 +28,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import order
+
 LR, WD, BETAS, EPS = 1e-4, 0.1, (0.9, 0.95), 1e-8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -61,8 +63,12 @@ def _rank_main(worker, rank, world_size, port, folder, args):
         try:
             result = worker(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if not order.broken():          # else a collective never completes: not joined
+                dist.destroy_process_group()
         torch.save(result, folder / f"rank{rank}.pt")
+        if order.broken():                  # rank 0 holds the store the others still read
+            time.sleep(2 * order.CHECK_S + 1 if rank == 0 else 0)
+            os._exit(0)
     except BaseException:  # noqa: BLE001 - report everything to the parent
         (folder / f"rank{rank}.err").write_text(traceback.format_exc())
         os._exit(1)

@@ -1,0 +1,202 @@
+"""Collectives issued in a different order on the ranks: found within seconds, stopped on every rank.
+
+A backend pairs the k-th collective of one rank with the k-th of every other rank of the group,
+so every rank must issue the same collectives in the same order. When the order depends on each
+rank's own data - a mixture of experts whose experts run in the order of their tokens on that
+rank (DeepSpeed#4808, PR#6557), blocks called in a rank-dependent order, a guard's check on one
+rank only - the collectives pair wrongly: silently when their sizes happen to agree, otherwise
+each rank waits for a partner that never comes, and gloo and NCCL give up only at the group's
+timeout (30 minutes by default). A hang, with no word of why.
+
+`watched_wait` is how `zerolab.comm` waits on gloo: in slices of `CHECK_S` seconds. A healthy
+collective ends within the first slice and nothing else happens (no message, no store access:
+free). When a slice runs out, this rank posts its recent ledger - (op, what, unit, numel) of each
+of its last `TAIL` records, by position - to the process group's key-value store (the one
+torchrun's rendezvous made) and reads what the other ranks of the group posted. Two ranks whose
+records differ at the same position prove the disagreement: `CollectiveOrderError` (one line,
+naming the first differing collective on each rank, the blocks, and the fix) on every rank that
+stalls, which is every rank within about two slices. Ranks that wait in the same collective (a
+slow peer, a long step on another rank) agree and keep waiting: only a proven difference stops.
+
+The fix the message gives: make every rank issue the same sequence - call the blocks in one
+order, or make a group of blocks whose order varies one unit, gathered and reduced together
+(`zerolab.leaves.set_leaf_modules`, DeepSpeed's `set_z3_leaf_modules`; with `fully_shard`,
+shard the parent module only).
+
+NCCL: `Work.wait()` does not block the host there (it orders the CUDA stream), so this check does
+not run; NCCL's own watchdog reports a stuck collective at the group's timeout
+(TORCH_NCCL_DESYNC_DEBUG=1 names the ranks out of step).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+
+CHECK_S = 2.0           # seconds a gloo wait runs before this rank compares its ledger
+TAIL = 64               # records compared (the most recent ones)
+
+
+class CollectiveOrderError(RuntimeError):
+    """The ranks of a group issued different collectives at the same position of their ledgers."""
+
+
+#: groups (their global ranks) found out of step: a collective of theirs never completes, so the
+#: process must not wait for it at exit (destroy_process_group joins gloo's workers): `broken()`
+BROKEN: set = set()
+
+
+POSTED: set = set()     # store keys this process has posted and not taken back
+
+
+def broken() -> bool:
+    """True once a CollectiveOrderError was raised in this process: skip destroy_process_group
+    (it would wait for the unmatched collective until the group's timeout) and exit."""
+    return bool(BROKEN)
+
+
+def watched_wait(work, comm, record):
+    """Wait for `work` (a gloo Work, or a wrapper whose wait() passes a timeout on). Every
+    CHECK_S seconds without completion, compare this rank's recent ledger with the other ranks'
+    (`check`). Raises CollectiveOrderError on a proven disagreement; whatever `work.wait`
+    raises (a peer gone, the group's timeout) passes through."""
+    posted = False
+    while True:
+        try:
+            done = work.wait(datetime.timedelta(seconds=CHECK_S))
+            if posted:                      # (kept when raising: the others read it)
+                _store_delete(comm)
+            return done
+        except RuntimeError as err:
+            if "timed out" not in str(err):
+                raise
+        posted = True
+        try:
+            check(comm, record)
+        except CollectiveOrderError:
+            BROKEN.add(comm.ranks)
+            raise
+
+
+def _store():
+    import torch.distributed as dist
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _key(comm, rank) -> str:
+    return f"zerolab/order/{_group(comm)}/{rank}"
+
+
+def _entry(r) -> list:
+    return [r.seq, r.op, r.what, r.unit, r.numel, r.phase]
+
+
+def check(comm, record):
+    """Post this rank's last TAIL records, read the other ranks' posts (their stalls, and their
+    `confirm` announcements at this rank's positions); CollectiveOrderError when two ranks' records
+    differ at one position (`record`: the collective this rank waits for)."""
+    store = _store()
+    if store is None:
+        return
+    tail = [_entry(r) for r in comm.records[-TAIL:]]
+    _post(store, _key(comm, comm.rank), json.dumps({"waits": record.seq, "tail": tail}), POSTED)
+    _compare(comm, store, {e[0]: e for e in tail}, range(record.seq, len(comm.records)))
+
+
+def _compare(comm, store, mine: dict, positions):
+    for peer in range(comm.world_size):
+        if peer == comm.rank:
+            continue
+        theirs = {}
+        if _posted(store, _key(comm, peer)):                # stalled in a collective
+            theirs = {e[0]: e for e in json.loads(store.get(_key(comm, peer)))["tail"]}
+        for pos in positions:                               # waiting in confirm() there
+            if pos not in theirs and _posted(store, _confirm_key(comm, pos, peer)):
+                theirs[pos] = json.loads(store.get(_confirm_key(comm, pos, peer)))
+        for seq in sorted(mine.keys() & theirs.keys()):
+            if mine[seq][1:5] != theirs[seq][1:5]:
+                raise CollectiveOrderError(message(comm.rank, mine[seq], peer, theirs[seq]))
+
+
+def confirm(comm, label: str, unit: str = ""):
+    """Before collectives that some ranks may issue and others not - a block called out of the
+    usual order, `gathered()` - wait until every rank of the group announces `label` at this
+    position of its ledger. A rank found waiting in a different collective there (or announcing
+    another label) proves the disagreement: CollectiveOrderError, before anything mismatched is
+    sent (gloo aborts the process on a mismatch of sizes). Costs a few store round trips."""
+    store = _store()
+    if store is None or comm.world_size == 1 or comm.backend == "fake":
+        return
+    pos = len(comm.records)
+    entry = [pos, "confirm", label, unit, 0, comm.current_phase]
+    _post(store, _confirm_key(comm, pos, comm.rank), json.dumps(entry), POSTED)
+    count = f"zerolab/confirm/{_group(comm)}/{pos}/{label}"
+    store.add(count, 1)
+    delay, waited = 1e-3, 0.0
+    while store.add(count, 0) < comm.world_size:
+        time.sleep(delay)
+        waited += delay
+        delay = min(2 * delay, 0.05)
+        if waited >= CHECK_S:               # as long as a collective's slice: compare
+            waited = 0.0
+            try:
+                _compare(comm, store, {pos: entry}, [pos])
+            except CollectiveOrderError:
+                BROKEN.add(comm.ranks)
+                raise
+
+
+def _group(comm) -> str:
+    return "-".join(map(str, comm.ranks))
+
+
+def _confirm_key(comm, pos, rank) -> str:
+    return f"zerolab/confirm/{_group(comm)}/{pos}/r{rank}"
+
+
+def _posted(store, key) -> bool:
+    """Whether `key` was posted: its counter (PrefixStore.check ignores the prefix, and a
+    store.wait with a timeout logs a warning each time)."""
+    return store.add(key + "/n", 0) > 0
+
+
+def _post(store, key, value: str, mine: set):
+    store.set(key, value)
+    if key not in mine:                     # the counter says "posted" once per post
+        mine.add(key)
+        store.add(key + "/n", 1)
+
+
+def message(rank, a, peer, b) -> str:
+    """One line: the first differing collective of two ranks, what that means, and the fix."""
+    def say(e):
+        if e[1] == "confirm":
+            return f"{e[2]} ({e[5]})"
+        return f"{e[1]} {e[2]} {e[3] or '-'} ({e[4]:,} elements, {e[5]})"
+    head = (f"ranks issued different collectives at position {a[0]} of the ledger: rank {rank} "
+            f"{say(a)}, rank {peer} {say(b)} - ")
+    if any(e[1] == "confirm" and e[2] == "gathered()" for e in (a, b)):
+        return head + ("strategy.gathered() was entered on some ranks only: it gathers on every "
+                       "rank, so enter it on every rank and put the `if rank == 0:` inside it")
+    units = sorted({e[3] for e in (a, b) if e[3] and (e[1] == "confirm" or e[2] in ("params",
+                                                                                     "grads"))})
+    if not units:
+        return head + ("a collective was issued on some ranks only (a rank-dependent branch "
+                       "around a collective): every rank must issue the same sequence")
+    return head + (f"blocks {' / '.join(units)} run in an order or number that differs between "
+                   "ranks (e.g. experts called in the order of each rank's tokens); every rank "
+                   "must issue the same sequence: call them in one order on every rank, or make "
+                   "the blocks whose order varies one unit, gathered and reduced together "
+                   "(zerolab.set_leaf_modules(model, [MoELayer]), DeepSpeed's "
+                   "set_z3_leaf_modules; with fully_shard, shard their parent only)")
+
+
+def _store_delete(comm):
+    """This rank no longer waits: its stall post is taken back."""
+    store, key = _store(), _key(comm, comm.rank)
+    if store is not None and key in POSTED:
+        POSTED.discard(key)
+        store.add(key + "/n", -1)
