@@ -63,6 +63,16 @@ REFUSED = {
     "rank0_edit": (tuple(VARIANTS), ("modifier_rank",)),
     "step_twice": (tuple(VARIANTS), ("without a backward",)),
 }
+# The loop that follows each refusal's advice (the words it quotes), run above like the rest:
+# every refusal's advice is something the loop in question can do, and doing it is exact.
+FOLLOWED = {"user_clip": ("max_grad_norm", "strategy_clip"),
+            "raw_edit": ("modifier_rank=r", "gathered_edit"),
+            "accum_uneven": ("give every rank as many", "accum_sync_every"),
+            "no_final_sync": ("strategy.sync_grads()", "skip_failed_last"),
+            "ema": ("inside `with strategy.gathered():`", "ema_gathered"),
+            "rank0_edit": ("modifier_rank", "gathered_edit"),
+            "step_twice": ("run a backward first", "zero_grad_none")}
+CLIP = 0.02
 # Not run here: rank_order on ZeRO-3. Its all_gathers must come in the same sequence on every
 # rank (FSDP2's rule too): a block called out of order needs a gather the other ranks do not
 # issue. ZeRO-3 stops every rank in one line within seconds (zerolab.order), but that leaves the
@@ -171,7 +181,8 @@ def loop_worker(rank, n, loops):
             if name in NOT_RUN.get(loop, ()):
                 continue
             model = build(loop, seed=rank if loop == "seed_per_rank" else 0, ac=ac)
-            s = make_strategy(stage, model, Comm(), lr=LR, weight_decay=WD, **kw)
+            clip = {"max_grad_norm": CLIP} if loop == "strategy_clip" else {}
+            s = make_strategy(stage, model, Comm(), lr=LR, weight_decay=WD, **kw, **clip)
             try:
                 evals = run_loop(loop, s, model, rank, n)
                 out[(loop, name)] = {"params": s.full_parameters(), "evals": evals}
@@ -227,7 +238,7 @@ def run_loop(loop, s, model, rank, n) -> list:
                 s.backward(loss / A, sync=loop in SYNC_EVERY
                            or (m == A - 1 and loop != "no_final_sync"))
         if loop == "user_clip":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.02)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         if loop == "rank0_edit" and step == 1:
             with s.gathered():
                 if rank == 0:
@@ -240,6 +251,9 @@ def run_loop(loop, s, model, rank, n) -> list:
             evals += eval_losses(model, rank, n, step)
         if loop == "ema":
             evals.append(ema_update(model, step))
+        if loop == "ema_gathered":          # the refusal's advice: read the weights inside it
+            with s.gathered():
+                evals.append(ema_update(model, step))
     return evals
 
 
@@ -315,12 +329,12 @@ def reference(loop: str, n: int) -> dict:
         if loop == "grad_assigned" and step == 1:
             assign_grads(model)
         total.backward()
-        if loop == "user_clip":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.02)
+        if loop in ("user_clip", "strategy_clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         if loop == "eval_between":
             evals += [sum(e) / n for e in zip(*(eval_losses(model, r, n, step) for r in range(n)))]
-        if loop == "ema":
+        if loop in ("ema", "ema_gathered"):
             evals.append(ema_update(model, step))       # every rank keeps the same EMA
     return {"params": {k: v.detach().float() for k, v in model.named_parameters()},
             "evals": evals}
@@ -330,7 +344,7 @@ LOOPS = ["zero_grad_none", "seed_per_rank", "raw_edit", "gathered_edit", "user_c
          "two_forwards", "eval_between", "retry", "reuse", "reorder", "ckpt_outside",
          "rank_order", "accum_uneven", "accum_sync_every", "no_final_sync", "zero_grad_mid",
          "zero_grad_keep_mid", "grad_assigned", "ema", "rank0_edit", "step_twice",
-         "skip_failed_last", "data_ran_out"]
+         "skip_failed_last", "data_ran_out", "strategy_clip", "ema_gathered"]
 
 
 @pytest.fixture(scope="module")
@@ -492,3 +506,17 @@ def test_accumulation_trades_gradient_memory_for_bytes_as_the_formulas_say(reads
                 want = theory.traffic_bytes(psi, 2, stage, "fp32", grad_accum=3, no_sync=no_sync)
                 got = {k: v for k, v in res["step_bytes"].items() if k in want}
                 assert got == pytest.approx(want), (stage, no_sync)
+
+
+def test_every_refusal_gives_advice_that_the_loop_can_follow_and_following_it_is_exact(loops2):
+    """Each refused loop's message quotes the way out, and the loop rewritten that way is run
+    above (exact on every variant, the parametrized test) - none of those variants refuses it."""
+    assert set(FOLLOWED) == set(REFUSED)
+    for loop, (advice, followed) in FOLLOWED.items():
+        refused, _ = REFUSED[loop]
+        assert followed in LOOPS and not set(refused) & set(REFUSED.get(followed, ((), ()))[0])
+        for name in refused:
+            for r in loops2:
+                assert advice in r[(loop, name)]["error"], (loop, name, r[(loop, name)])
+            for r in loops2:
+                assert "error" not in r[(followed, name)], (followed, name, r[(followed, name)])
