@@ -79,6 +79,10 @@ class Strategy:
             self.hold(u)
         self.optimizer = self.make_optimizer(**adamw)
         self.ready = GradReady(self.units, self._grads_ready)
+        self.handles += [model.register_forward_pre_hook(lambda *_: self._enter_forward(),
+                                                         prepend=True),
+                         model.register_forward_hook(lambda *_: self._leave_forward(),
+                                                     always_call=True)]
 
     def build_units(self, model, bucket_mb):
         """Rank 0's weights on every rank (as torch DDP and FSDP do), then the units."""
@@ -116,6 +120,15 @@ class Strategy:
     def forward(self, x, y):
         with self.comm.phase("forward"):
             return self.model(x, y)
+
+    def _enter_forward(self):               # model(x) called directly: the ledger's phase
+        self.phase_set = self.comm.current_phase == "setup"
+        if self.phase_set:                  # (a forward pass is never setup)
+            self.comm.current_phase = "forward" if torch.is_grad_enabled() else "eval"
+
+    def _leave_forward(self):
+        if getattr(self, "phase_set", False):
+            self.comm.current_phase, self.phase_set = "setup", False
 
     # --- backward --------------------------------------------------------------------------------
     def backward(self, loss, *, sync=True):

@@ -77,7 +77,8 @@ class ZeRO3(Strategy):
                 u.module.register_forward_hook(lambda *_, u=u: self._post_forward(u)),
                 on_pre_backward(u.module, lambda u=u: self._pre_backward(u))]
         self.handles += [model.register_forward_pre_hook(lambda *_: self._root_pre_forward()),
-                         model.register_forward_hook(lambda *_: self._root_post_forward())]
+                         model.register_forward_hook(lambda *_: self._root_post_forward(),
+                                                     prepend=True)]     # before the frame's
         self.handles += refuse_state_dict([model, *(u.module for u in self.blocks)],
                                           lambda: self.weights_readable())
 
