@@ -18,7 +18,12 @@ the stages for such a loop, what `zerolab.torchlike` wraps:
   (`hand_grads`) whose norms are global (`GlobalNormGrad`: torch's clip_grad_norm_ clips by the
   whole gradient's norm); the root stays gathered into backward and each block frees its weights
   after forward as its `u.reshard` says (FSDP2's reshard_after_forward); a unit in layout "dim0"
-  (FSDP2's rows per rank) packs its gradient rank-major for the reduce_scatter.
+  (FSDP2's rows per rank) packs its gradient rank-major for the reduce_scatter. FSDP2's
+  hooks besides: a block whose backward starts first begins the backward itself (`enter_backward`:
+  the model may return a block's output directly); a unit over several modules (fully_shard's
+  list) is gathered when the first of them runs and freed once all have run; explicit prefetch
+  lists (`u.prefetch_forward`, `u.prefetch_backward`); shard parameters whose data the loop
+  replaced (`module.to(torch.float64)`) are taken in before the next forward (`refresh`).
 
 step() is refused on both (one line): the loop steps.
 """
@@ -27,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from .ddp import DDP
-from .sharding import alloc_storage, free_storage, global_used
-from .zero3 import ZeRO3
+from .sharding import alloc_storage, free_storage, global_used, on_pre_backward
+from .zero3 import SHARDED, ZeRO3
 
 
 class LoopStepDDP(DDP):
@@ -85,14 +90,77 @@ def shard_unit(u, grad_dtype=None, param_dtype=None):
         free_storage(u.param_shard)         # a cast copy only while gathering
 
 
+def replaced(u) -> bool:
+    """True when a shard parameter of `u` is no longer a view of its master (new data, dtype or
+    device: `module.to(...)`, `p.data = t`)."""
+    master = u.master.untyped_storage().data_ptr()
+    return any(sp.dtype != u.master.dtype or sp.device != u.master.device
+               or sp.untyped_storage().data_ptr() != master for sp in u.shard_params)
+
+
+def reshard_unit(u, comm=None):
+    """`u`'s shard parameters were given new data (module.to(dtype / device), p.data = t): a new
+    master in their dtype and device holding their values, each shard parameter a view of it
+    again (FSDP2's reset_sharded_param), and the unit's other buffers remade to match (the
+    gathered weights in u.param_dtype or the new dtype, gradients in u.grad_dtype or that);
+    a .grad the loop holds keeps its values. Not during a forward or backward."""
+    sps = u.shard_params
+    kinds = sorted({f"{sp.dtype} on {sp.device}" for sp in sps})
+    if len(kinds) > 1:
+        raise RuntimeError(f"fully_shard unit {u.name} holds parameters of {' and '.join(kinds)}: "
+                           "a unit gathers one dtype (FSDP2 expects uniform original parameter "
+                           "dtype): call .to() on the module given to fully_shard, or on the root")
+    if getattr(u, "gathered", False) or u.bucket is not None:
+        raise RuntimeError(f"the parameters of fully_shard unit {u.name} were replaced while "
+                           "its weights or a gradient bucket were held (a forward, a backward, "
+                           "or set_requires_gradient_sync(False)): change them between steps")
+    dtype, device = sps[0].dtype, sps[0].device
+    grads = [sp.grad for sp in sps]
+    master = torch.zeros(u.shard_numel, dtype=dtype, device=device)    # [Ψ_u/N] the loop's shard
+    with torch.no_grad():
+        for sp, view in zip(sps, u.shard_views(master)):
+            view.copy_(sp.detach())
+            sp.data = view
+    compute = getattr(u, "param_dtype", None) or dtype
+    with torch._C.DisableTorchFunctionSubclass():   # placeholders of the new dtype and device
+        for p in u.params:
+            p.data = torch.empty(0, dtype=compute, device=device)
+    u.unbind_params(SHARDED)
+    u.master, u.unsharded, u._views = master, None, {}
+    u.param_flat = torch.empty(u.padded_numel, dtype=compute, device=device)
+    free_storage(u.param_flat)
+    u.param_shard = master if compute == dtype else torch.empty_like(master, dtype=compute)
+    if u.param_shard is not master:
+        free_storage(u.param_shard)
+    u.grad_shard = torch.zeros_like(u.param_shard, dtype=getattr(u, "grad_dtype", None))
+    u.grad_master = u.grad_shard if u.grad_shard.dtype == dtype else None
+    if any(g is not None for g in grads):
+        if u.grad_master is None:
+            u.grad_master = torch.zeros_like(master)
+        wrap = (lambda v: global_norm_grad(v, comm)) if comm is not None else (lambda v: v)
+        for sp, g, view in zip(sps, grads, u.shard_views(u.grad_master)):
+            sp.grad = None if g is None else wrap(view.copy_(g))
+        if u.grad_master is not u.grad_shard:
+            u.grad_shard.untyped_storage().resize_(0)   # (claim_loop_grads gives it back)
+
+
 class LoopStepZeRO3(ZeRO3):
     """ZeRO-3 over the units `fully_shard` built (`units`, each set up by `shard_unit`, with
     `reshard` set); the loop's optimizer steps their shard parameters. The other options are
-    Strategy's."""
+    Strategy's. enter_backward: called (no argument) when a block's backward is about to start,
+    before anything else of it - the wrapper begins the backward there if no output of the
+    model has yet (torchlike.backward.Backward.enter)."""
 
-    def __init__(self, model, comm, *, units, **options):
-        self.given_units = units
+    def __init__(self, model, comm, *, units, enter_backward=None, **options):
+        self.given_units, self.enter_backward = units, enter_backward
         super().__init__(model, comm, **options)
+        for u in self.blocks:               # a unit over several modules: each one's hooks
+            u.ran = set()
+            for m in u.modules[:-1]:        # (u.module's were registered by ZeRO3)
+                self.handles += [
+                    m.register_forward_pre_hook(lambda _, args, u=u: self._pre_forward(u, args)),
+                    m.register_forward_hook(lambda mod, *_, u=u: self._post_forward(u, mod)),
+                    on_pre_backward(m, lambda u=u: self._pre_backward(u))]
 
     def build_units(self, model, bucket_mb):
         return self.given_units             # rank 0's weights were broadcast by fully_shard
@@ -120,6 +188,45 @@ class LoopStepZeRO3(ZeRO3):
     def reshard_after_forward(self, u) -> bool:
         # the root stays gathered into backward (FSDP2's); a block as its fully_shard call said
         return (u.module is not None and u.reshard) or not torch.is_grad_enabled()
+
+    # --- FSDP2's hooks beyond ZeRO-3's ----------------------------------------------------------
+    def _pre_backward(self, u):
+        if self.enter_backward is not None:     # the backward may begin at a block's output
+            self.enter_backward()
+        super()._pre_backward(u)
+
+    def _post_forward(self, u, module=None):
+        # a unit over several modules (fully_shard([a, b])): freed once every one of them ran
+        if len(u.modules) > 1 and self.comm.current_phase != "backward":
+            u.ran.add(id(module if module is not None else u.module))
+            if len(u.ran) < len(u.modules):
+                return
+            u.ran.clear()
+        super()._post_forward(u)
+
+    def _root_post_forward(self):
+        for u in self.blocks:                   # a group not all of whose modules ran: done now
+            if getattr(u, "ran", None):
+                u.ran.clear()
+                super()._post_forward(u)
+        super()._root_post_forward()
+
+    def _ahead(self, u) -> list:
+        """The blocks gathered ahead once `u` is: its explicit list for this pass when it has
+        one (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch), else ZeRO-3's."""
+        backward = self.comm.current_phase == "backward"
+        given = getattr(u, "prefetch_backward" if backward else "prefetch_forward", None)
+        if given is not None:               # (the root is gathered by the root's own hook)
+            return [v for v in given if v is not u and v in self.blocks]
+        return super()._ahead(u)
+
+    def refresh(self):
+        """Before a forward: units whose shard parameters the loop gave new data (module.to(
+        torch.float64), .cuda(), p.data = t) are rebuilt around them (`reshard_unit`). A unit
+        whose parameters no longer share one dtype and device: RuntimeError, one line."""
+        for u in self.units:
+            if replaced(u):
+                reshard_unit(u, self.comm)
 
     def claim(self, u):
         claim_loop_grads(u)
@@ -158,7 +265,8 @@ class GlobalNormGrad(torch.Tensor):
     torch._foreach_norm; dim=None) sums the ranks' parts in one all_reduce, so
     `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` clips by the whole
     gradient's norm on every rank, as FSDP2's DTensor gradients do. Every rank must ask (a
-    collective); everything else it does is a plain tensor's."""
+    collective; ledger phase "step" when asked between backward and step, where zerolab's own
+    stages clip); everything else it does is a plain tensor's."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -174,8 +282,10 @@ class GlobalNormGrad(torch.Tensor):
         comm = first.__dict__["_zerolab_comm"]
         local = torch.stack(list(out)) if isinstance(out, (list, tuple)) else out.reshape(1)
         part = local.float() if ord_ == float("inf") else local.float().pow(ord_)
-        comm.all_reduce(part, what="metric", unit="grad_norm",
-                        op="max" if ord_ == float("inf") else "sum")
+        idle = comm.current_phase == "setup"    # the loop clips between backward and step:
+        with comm.phase("step" if idle else comm.current_phase):   # the update's, as zerolab's
+            comm.all_reduce(part, what="metric", unit="grad_norm",
+                            op="max" if ord_ == float("inf") else "sum")
         whole = (part if ord_ == float("inf") else part.pow(1 / ord_)).to(local.dtype)
         return list(whole.unbind()) if isinstance(out, (list, tuple)) else whole.reshape(out.shape)
 
@@ -198,7 +308,8 @@ def claim_loop_grads(u):
     last hand-over: it gets its memory back, zeroed.)"""
     if u.grad_master is not u.grad_shard:
         if u.grad_shard.untyped_storage().nbytes() == 0:
-            u.grad_shard.untyped_storage().resize_(u.grad_shard.numel() * u.grad_shard.element_size())
+            nbytes = u.grad_shard.numel() * u.grad_shard.element_size()
+            u.grad_shard.untyped_storage().resize_(nbytes)
             u.grad_shard.zero_()
         return
     for sp, view in zip(u.shard_params, u.shard_views(u.grad_shard)):

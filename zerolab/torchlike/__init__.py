@@ -18,16 +18,24 @@ DeepSpeed's names for the same: `zero_optimization.stage` 1 / 2 / 3, `reduce_buc
 (bucket_cap_mb), `stage3_prefetch_bucket_size` (prefetch), `GatheredParameters`
 (`strategy.gathered`). notebooks/08_fsdp.ipynb maps them one by one.
 
+FSDP2's `fully_shard([m1, m2])`, `set_modules_to_forward_prefetch`,
+`set_modules_to_backward_prefetch`, `register_fsdp_forward_method` and `model.to(dtype)` after
+sharding; ZeroRedundancyOptimizer's `consolidate_state_dict(to)`. One ledger per model, every
+collective in it with the phase it ran in (tests/test_torchlike_ledger.py counts them where
+torch issues them).
+
 Where they differ from torch, on purpose (each in its class's docstring): ZeroRedundancyOptimizer
 splits the flat elements of each parameter group N ways (ZeRO's layout) where torch gives whole
 parameters to ranks, so it runs only optimizers whose update is element-wise and refuses the
-others in one line (`zerolab.optim.check_elementwise`); fully_shard keeps frozen parameters
-replicated (FSDP2 shards them too).
+others in one line (`zerolab.optim.check_elementwise`), and its state_dict() without a
+consolidation is this rank's own (torch's raises); fully_shard keeps frozen parameters
+replicated (FSDP2 shards them too), and frees the root's weights after a forward without grad
+(FSDP2 keeps them to the next backward).
 """
 from .ddp import DistributedDataParallel
-from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from .held import held_bytes
 from .zero_optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "fully_shard",
-           "MixedPrecisionPolicy", "FSDPModule", "held_bytes"]
+           "MixedPrecisionPolicy", "FSDPModule", "register_fsdp_forward_method", "held_bytes"]

@@ -23,7 +23,7 @@ from .. import theory
 from ..comm import Comm
 from ..loopstep import LoopStepDDP
 from ..sharding import module_blocks
-from .backward import arm
+from .backward import Backward
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -72,8 +72,10 @@ class DistributedDataParallel(torch.nn.Module):
                                     find_unused_parameters=find_unused_parameters)
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
+        self._backward = Backward(self.strategy.begin_backward, self.strategy.end_backward)
 
     def forward(self, *args, **kwargs):
+        self._backward.reset()
         if self.broadcast_buffers and self.comm.world_size > 1:
             buffers = [b for b in self.module.buffers() if b.numel()]
             with torch.no_grad(), self.comm.phase("forward"):
@@ -81,8 +83,7 @@ class DistributedDataParallel(torch.nn.Module):
                     self.comm.broadcast(b, 0, what="init", unit="buffers")
         with self.comm.phase("forward"):
             out = self.module(*args, **kwargs)
-        sync = self.require_backward_grad_sync
-        return arm(out, lambda: self.strategy.begin_backward(sync), self.strategy.end_backward)
+        return self._backward.arm(out, self.require_backward_grad_sync)
 
     @contextlib.contextmanager
     def no_sync(self):
