@@ -4,11 +4,12 @@ one ledger, tagged with the phase it runs in (issue #31, part 4).
 The reference is independent of zerolab's bookkeeping: every method of torch's ProcessGroup that
 starts a collective is wrapped in each rank (`count_collectives`), so each collective the process
 really issues is seen - (section of the loop it ran in, op, elements) - where the section is what
-the loop is doing, set by the loop itself: "setup" (wrapping), "forward" (`model(x)`), "backward"
-(`loss.backward()`), "step" (clipping and `opt.step()`), "eval" (the full state dict,
-consolidating the optimizer). The wrapper's ledger (`model.comm.records`) must be exactly that
-list: the same collectives, in the same order, each with the phase the loop was in. On gloo,
-zerolab's reduce_scatter is an in-place all_reduce underneath (zerolab.comm): counted as one.
+the loop is doing, set by the loop itself: "setup" (wrapping), "forward" (`model(x)`),
+"backward" (`loss.backward()`), "step" (clipping and `opt.step()`), "eval" (`model(x)` under
+no_grad, the full state dict, consolidating the optimizer). The wrapper's ledger
+(`model.comm.records`) must be exactly that list: the same collectives, in the same order, each
+with the phase the loop was in. On gloo, zerolab's reduce_scatter is an in-place all_reduce
+underneath (zerolab.comm): counted as one.
 
 And against torch's own FSDP2 on the same loop, counted the same way: the all_gathers and
 reduce_scatters of forward and backward, in order and size, and the trained weights.
@@ -218,7 +219,8 @@ def traffic(rows_) -> list:
 def fsdp_loop(rank, kind, impl, variant, mesh):
     """fully_shard on the blocks, then the root; STEPS steps of SGD with momentum. variant:
     "plain"; "clip" (clip_grad_norm_ between backward and step); "twice" (two forwards, one
-    backward of their sum); "eval" (a forward under no_grad after each step); "tail" (the MLP
+    backward of their sum); "eval" (a forward under no_grad after each step: phase "eval", as
+    zerolab's stages tag it); "tail" (the MLP
     returns head(h) * 1.0); "nested" (`shard_plan`)."""
     from zerolab import torchlike as tl
     if impl == "torch":
@@ -253,8 +255,8 @@ def fsdp_loop(rank, kind, impl, variant, mesh):
                 out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)))
             opt.step()
             opt.zero_grad()
-        if variant == "eval":
-            with section("forward"), torch.no_grad():
+        if variant == "eval":               # (zerolab's stages call it "eval" too)
+            with section("eval"), torch.no_grad():
                 model(x)
     with section("eval"):
         full = (model.full_state_dict() if impl != "torch" else
@@ -272,13 +274,15 @@ def fsdp_loop(rank, kind, impl, variant, mesh):
 
 def ddp_loop(rank, kind, variant, mesh):
     """torchlike's DistributedDataParallel (find_unused_parameters=True: a flag all_reduce each
-    backward) with its ZeroRedundancyOptimizer(comm=model.comm), consolidated on rank 0 at the
-    end."""
+    backward; a buffer, broadcast before every forward, as torch's) with its
+    ZeroRedundancyOptimizer(comm=model.comm); a forward under no_grad after each step;
+    consolidated on rank 0 at the end."""
     from zerolab import torchlike as tl
     start = len(ISSUED)
     with section("setup"):
-        model = tl.DistributedDataParallel(build(kind), find_unused_parameters=True,
-                                           bucket_cap_mb=0.001)
+        net = build(kind)
+        net.register_buffer("tag", torch.arange(3.0))      # DDP broadcasts it every forward
+        model = tl.DistributedDataParallel(net, find_unused_parameters=True, bucket_cap_mb=0.001)
         opt = tl.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
                                          comm=model.comm)
     for step in range(STEPS):
@@ -291,10 +295,13 @@ def ddp_loop(rank, kind, variant, mesh):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
             opt.step()
             opt.zero_grad()
+        with section("eval"), torch.no_grad():
+            model(x)
     with section("eval"):
         opt.consolidate_state_dict(0)
     return {"issued": ISSUED[start:], "ledger": as_issued(model.comm.records),
-            "state": {k: v.detach().float().clone() for k, v in model.module.state_dict().items()}}
+            "state": {k: v.detach().float().clone() for k, v in model.module.state_dict().items()
+                      if k != "tag"}}
 
 
 def single_process(kind, variant):
@@ -384,8 +391,7 @@ def test_every_collective_is_in_the_one_ledger_with_its_phase(ranks, case):
     for rank, r in enumerate(results(ranks, case)):
         assert r["ledger"] == r["issued"], f"{case} rank {rank}: {first_difference(r)}"
         phases = {p for p, _, _ in r["issued"]}                           # (not vacuous)
-        assert {"setup", "backward", "eval"} | ({"forward"} if case[0] == "fsdp" else set()) \
-            <= phases, phases
+        assert {"setup", "forward", "backward", "eval"} <= phases, phases
 
 
 @pytest.mark.parametrize("case", [c for c in ZL_CASES if c[0] == "fsdp"],

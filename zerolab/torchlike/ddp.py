@@ -76,12 +76,13 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         self._backward.reset()
+        phase = "forward" if torch.is_grad_enabled() else "eval"      # (as the stages name it)
         if self.broadcast_buffers and self.comm.world_size > 1:
             buffers = [b for b in self.module.buffers() if b.numel()]
-            with torch.no_grad(), self.comm.phase("forward"):
+            with torch.no_grad(), self.comm.phase(phase):
                 for b in buffers:
                     self.comm.broadcast(b, 0, what="init", unit="buffers")
-        with self.comm.phase("forward"):
+        with self.comm.phase(phase):
             out = self.module(*args, **kwargs)
         return self._backward.arm(out, self.require_backward_grad_sync)
 

@@ -21,7 +21,8 @@ ready and leaves each shard parameter's .grad = its piece of the averaged gradie
 One ledger: every call of one model writes into the root's Comm (`module.comm` of any of them;
 the start-up broadcasts of sibling calls, made before the root existed, are moved into it in
 the order they ran), each collective tagged with its phase - "forward" for any fully_shard'ed
-module's forward (or a method given to `register_fsdp_forward_method`), "backward" from the
+module's forward (or a method given to `register_fsdp_forward_method`; "eval" under
+torch.no_grad(), as zerolab's stages name it), "backward" from the
 moment the backward reaches the model (the root's output, or a block's output the model returns
 as its own), "step" for clip_grad_norm_'s norm, "eval" for full_state_dict. FSDP2's besides:
 `fully_shard([m1, m2])` (one unit over several modules), `set_modules_to_forward_prefetch` /
@@ -334,7 +335,8 @@ def _pre_forward(module, args, kwargs):
         if state is root:
             root.backward.reset()
             root.strategy.refresh()                 # shards the loop gave new data: taken in
-        state.phase_before, state.comm.current_phase = state.comm.current_phase, "forward"
+        phase = "forward" if torch.is_grad_enabled() else "eval"      # (as the stages name it)
+        state.phase_before, state.comm.current_phase = state.comm.current_phase, phase
     dtype = state.policy.param_dtype
     for m, attr, p in state.frozen:                 # frozen weights computed in param_dtype too
         m._parameters[attr] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
