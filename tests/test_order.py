@@ -124,6 +124,41 @@ def worker(rank, n, case):
         return {"error": f"{type(e).__name__}: {e}", "after_s": time.perf_counter() - t0}
 
 
+def fsdp_worker(rank, n, per_expert):
+    """torchlike.fully_shard: each expert sharded on its own (per_expert), or the MoE layer as
+    one, then the root; the loop steps torch's AdamW on the shards."""
+    from zerolab.torchlike import fully_shard
+    torch.manual_seed(0)
+    model = MoEToy()
+    for m in (list(model.moe.experts) if per_expert else [model.moe]):
+        fully_shard(m)
+    fully_shard(model)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=BETAS, eps=EPS)
+    t0 = time.perf_counter()
+    try:
+        for step in range(STEPS):
+            model(*batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        return {"params": {k: v.detach().float() for k, v in model.full_state_dict().items()}}
+    except RuntimeError as e:
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.perf_counter() - t0}
+
+
+def test_fully_shard_of_the_moe_layer_is_exact_and_of_each_expert_is_stopped_in_one_line():
+    ref = reference(2)
+    for rank, r in enumerate(run_ranks(fsdp_worker, 2, False, timeout=120)):
+        assert "error" not in r, (rank, r)
+        assert max_param_diff(r["params"], ref) <= 1e-6, rank
+    for rank, r in enumerate(run_ranks(fsdp_worker, 2, True, timeout=120)):
+        e = r.get("error")
+        assert e and e.startswith("CollectiveOrderError") and "\n" not in e, (rank, r)
+        assert "shard their parent only" in e and r["after_s"] < 15, (rank, r)
+
+
 def reference(n) -> dict:
     torch.manual_seed(0)
     model = MoEToy()
