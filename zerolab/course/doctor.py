@@ -1,10 +1,12 @@
 """`zerolab doctor`: is this machine ready for the course? One line per check, OK or the fix.
 
 For a learner before a workshop, and for the instructor walking round the room: in well under
-30 s it checks the Python, the torch build, that gloo ranks start under torchrun and exchange an
-all_reduce, a free local port, that the Jupyter kernel the notebooks ask for ("python3") runs
-THIS interpreter (the one zerolab is installed in), ipywidgets with its JupyterLab extension,
-JupyterLab itself, and the packages the labs need. Exit status 0 when every line is OK, else 1.
+30 s it checks the Python, the torch build, that the current folder shadows no module Python
+would import (e.g. the clone's parent, which holds the checkout `zerolab/`), that gloo ranks
+start under torchrun and exchange an all_reduce, a free local port, that the Jupyter kernel the
+notebooks ask for ("python3") runs THIS interpreter (the one zerolab is installed in),
+ipywidgets with its JupyterLab extension, JupyterLab itself, and the packages the labs need.
+Exit status 0 when every line is OK, else 1.
 
     zerolab doctor                 # or: python -m zerolab doctor
 """
@@ -15,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,6 +74,19 @@ def check_zerolab():
     return _ok(f"zerolab {zerolab.__version__} from {here}")
 
 
+def check_here(folder=None):
+    """The current folder (or `folder`) holds no file or folder that Python started there would
+    import instead of zerolab, a module it needs or a standard module (`preflight.import_shadows`):
+    e.g. the clone's parent, which holds the checkout `zerolab/` - a folder that `python -m`
+    imports as an empty namespace package, ahead of an editable install."""
+    from ..run.preflight import import_shadows, shadow_line
+    folder = Path(folder or os.getcwd()).resolve()
+    shadows = import_shadows(folder)
+    if shadows:
+        return _fix(shadow_line(shadows, folder))
+    return _ok(f"the current folder ({folder}) shadows no module Python or zerolab imports")
+
+
 def check_port():
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -103,7 +119,9 @@ def check_ranks(nproc: int = 2, timeout: float = 60.0):
 
 
 def check_kernel(timeout: float = 20.0):
-    """The notebooks' kernel ("python3") runs this interpreter and imports this zerolab."""
+    """The notebooks' kernel ("python3") runs this interpreter and imports this zerolab. It is
+    started in an empty temporary folder, as the notebooks' kernels start in notebooks/: what the
+    current folder holds is `check_here`'s to tell, not the kernel's fault."""
     try:
         from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
         from jupyter_client.manager import start_new_kernel
@@ -117,9 +135,10 @@ def check_kernel(timeout: float = 20.0):
         return _fix(f"no 'python3' Jupyter kernel: {fix}")
     code = "import sys, zerolab; print(sys.executable + '|' + zerolab.__file__)"
     km = kc = None
+    empty = tempfile.TemporaryDirectory(prefix="zerolab-doctor-")
     try:
         km, kc = start_new_kernel(kernel_name="python3", startup_timeout=timeout,
-                                  stderr=subprocess.DEVNULL)
+                                  stderr=subprocess.DEVNULL, cwd=empty.name)
         seen = []
         kc.execute_interactive(code, timeout=timeout, output_hook=lambda msg: seen.append(msg))
         text = "".join(m["content"].get("text", "") for m in seen if m["msg_type"] == "stream")
@@ -131,6 +150,7 @@ def check_kernel(timeout: float = 20.0):
             kc.stop_channels()
         if km is not None:
             km.shutdown_kernel(now=True)
+        empty.cleanup()
     if errors:
         return _fix(f"the 'python3' kernel ({spec.argv[0]}) cannot import zerolab "
                     f"({errors[0]['ename']}): {fix}")
@@ -166,6 +186,7 @@ CHECKS = [
     ("python", check_python),
     ("torch", check_torch),
     ("zerolab", check_zerolab),
+    ("here", check_here),
     ("port", check_port),
     ("ranks", check_ranks),
     ("kernel", check_kernel),

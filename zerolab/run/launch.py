@@ -1,10 +1,9 @@
 """Launching ranks: pick backend and device, build the torchrun command, run it with a timeout.
 
-Idea: the caller (the CLI, a notebook, a lab) never initialises CUDA itself and never runs a
-collective: it starts `python -m torch.distributed.run ...` as a subprocess with its own Python,
-streams the ranks' output, and kills the whole process group on timeout or interrupt, so nothing
-is left behind. A failed run raises `LaunchError` whose message ends with the failing rank's
-traceback (torchrun prints it, thanks to `@record` in zerolab.run.train).
+Idea: the caller (the CLI, a notebook, a lab) never initialises CUDA nor runs a collective: it
+starts `python -m torch.distributed.run ...` with its own Python (importing this zerolab wherever
+it starts: `preflight.child_env`), streams the output, kills the whole process group on timeout or
+interrupt (nothing is left behind), and raises `LaunchError` with the failing rank's traceback.
 
     from zerolab.run.launch import run_torchrun
     run_torchrun(["--stages", "0,1", "--preset", "nano", "--steps", "2"], nproc=2)
@@ -26,6 +25,7 @@ import tempfile
 import threading
 import time
 
+from .preflight import child_env
 from .resources import describe, in_output
 
 
@@ -135,15 +135,16 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     torchrun itself dies (e.g. SIGKILLed). In every case every process the command started is
     stopped first (`_stop`): ranks live in sessions of their own, so the launcher tracks them.
     TMPDIR and JUPYTER_RUNTIME_DIR point into a private folder removed afterwards, so neither
-    torchrun's `torchelastic_*` folders nor a kernel's connection file outlive the run.
+    torchrun's `torchelastic_*` folders nor a kernel's connection file outlive the run. ValueError
+    (one line): Python 3.10 in a folder that shadows a module (`preflight.child_env`).
     """
     _sweep_private_dirs()
     private = None
     tree = _Tree()
     try:
         private = tempfile.mkdtemp(prefix=f"zerolab-run-{os.getpid()}-")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": private,
-               "JUPYTER_RUNTIME_DIR": os.path.join(private, "jupyter"), **(env or {})}
+        env = child_env({**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": private,
+                         "JUPYTER_RUNTIME_DIR": os.path.join(private, "jupyter"), **(env or {})})
         if sys.platform == "linux" and os.path.isdir("/sys/class/net/lo") and "127.0.0.1" in cmd:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # all on this machine: gloo on loopback
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

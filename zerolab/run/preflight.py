@@ -9,9 +9,15 @@ within a second instead of failing inside a rank minutes later.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import importlib.machinery
+import json
+import os
 import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 _KINDS = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device",
@@ -147,3 +153,178 @@ def check_fits_memory(cfg, *, batch_size: int, nproc: int, world_size: int, grad
             f"x {nproc} rank(s) = {need * nproc / 1e9:,.3g} GB, but {available / 1e9:.3g} GB is "
             "available; lower --batch-size or raise --grad-accum")
     return need
+
+
+# --- the children import what this process imported -------------------------------------------
+#: Python 3.11+ has PYTHONSAFEPATH: `python -m` and `python -c` then leave the current folder off
+#: sys.path (on 3.10 it stays first, and `child_env` refuses a folder that would shadow a module)
+SAFE_PATH = sys.version_info >= (3, 11)
+#: what the ranks, papermill and the notebooks' kernels import besides the standard library:
+#: a file or folder of one of these names (or of a standard module) in the current folder
+#: would be imported in their place by `python -m ...` started there (`import_shadows`)
+IMPORTED = ("zerolab", "torch", "numpy", "matplotlib", "papermill", "ipykernel", "IPython",
+            "jupyter_client", "nbformat", "ipywidgets", "safetensors", "yaml")
+
+
+def package_root() -> Path:
+    """The folder that holds the `zerolab` package this process runs (a checkout's root for an
+    editable install, site-packages for a plain one)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _site_dirs() -> set[Path]:
+    import site
+    dirs = list(getattr(site, "getsitepackages", lambda: [])())
+    with contextlib.suppress(Exception):
+        dirs.append(site.getusersitepackages())
+    return {Path(d).resolve() for d in dirs}
+
+
+def child_env(env: dict) -> dict:
+    """`env` for a process a launch starts (torchrun and its ranks, papermill and its kernels),
+    so that it imports the very zerolab this process imported, wherever it is started from:
+    PYTHONSAFEPATH=1 (Python 3.11+: `python -m` does not put the current folder first on
+    sys.path, where a checkout's `zerolab/` folder, a learner's `torch.py` or `random.py` would be
+    imported instead), and the folder holding this zerolab (`package_root`) first on PYTHONPATH,
+    unless it is a site-packages folder (every child finds it there anyway; first, it would put
+    every installed package ahead of the standard library). Returns a new dict. On Python 3.10,
+    which cannot keep the current folder off a child's sys.path, a current folder that would
+    shadow a module (`import_shadows`) is a ValueError, one line."""
+    env = dict(env)
+    if SAFE_PATH:
+        env["PYTHONSAFEPATH"] = "1"
+    root = package_root()
+    if root not in _site_dirs():
+        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(root)]
+        env["PYTHONPATH"] = os.pathsep.join([str(root), *rest])
+    shadows = [] if SAFE_PATH else import_shadows(os.getcwd(), env=env)
+    if shadows:
+        raise ValueError(shadow_line(shadows, os.getcwd(), launching=True))
+    return env
+
+
+def _module_entry(entry: os.DirEntry) -> tuple[str, str] | None:
+    """(module name, "module" | "package" | "namespace") that a folder entry provides to an import
+    with its folder on sys.path, or None."""
+    if entry.is_dir():
+        if not entry.name.isidentifier():
+            return None
+        init = any(os.path.exists(os.path.join(entry.path, "__init__" + s))
+                   for s in importlib.machinery.all_suffixes())
+        return entry.name, "package" if init else "namespace"
+    for suffix in sorted(importlib.machinery.all_suffixes(), key=len, reverse=True):
+        name = entry.name[:-len(suffix)]
+        if entry.name.endswith(suffix) and name.isidentifier():
+            return name, "module"
+    return None
+
+
+def _find(name: str, search: list[str]):
+    """The spec `import name` would use with sys.path = `search`: the meta path in its order, as
+    the import system asks it (a namespace package from the path finder ends the search)."""
+    for finder in sys.meta_path:
+        try:
+            if finder is importlib.machinery.PathFinder:
+                spec = importlib.machinery.PathFinder.find_spec(name, search)
+            elif hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, None)
+            else:
+                continue
+        except Exception:  # noqa: BLE001 - a third-party finder that fails: ask the next one
+            continue
+        if spec is not None:
+            return spec
+    return None
+
+
+def _where(spec) -> list[Path]:
+    """The files or folders a spec imports from."""
+    if spec is None:
+        return []
+    places = list(spec.submodule_search_locations or [])
+    if spec.origin and spec.origin not in ("built-in", "frozen") and not places:
+        places = [spec.origin]
+    return [Path(p).resolve() for p in places]
+
+
+def fresh_python(folder, env: dict | None = None) -> tuple[list[str], set[str]]:
+    """(sys.path, the modules already imported) of a Python started in `folder` with `python -c`
+    and the environment `env` (default: this one without PYTHONSAFEPATH, as a user's shell has
+    it): '' (the folder) first on the path, then PYTHONPATH, the standard library,
+    site-packages and their .pth entries; a module imported while starting (by site and the .pth
+    files: os, often re, pathlib, random ...) is taken from there, whatever the folder holds.
+    Asked of such a Python (stdlib only, ~0.1 s): this process's may differ (pytest, a kernel)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    code = "import json, sys; print(json.dumps([sys.path, sorted(sys.modules)]))"
+    try:
+        res = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, timeout=60,
+                             capture_output=True, text=True)
+        path, loaded = json.loads(res.stdout)
+        return path, set(loaded) - {"json", "json.decoder", "json.scanner", "json.encoder"}
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return ["", *sys.path[0 if sys.flags.safe_path else 1:]], set(sys.builtin_module_names)
+
+
+def import_shadows(folder, names=None, env: dict | None = None) -> list[tuple[str, Path, str]]:
+    """What Python started in `folder` with `python -m` or `-c` (which put the folder first on
+    sys.path) would import from `folder` instead of what it imports elsewhere: [(module name,
+    the file or folder in `folder`, where the module is otherwise found or "nowhere")], by name.
+
+    names: the modules checked (default: the standard library's, sys.stdlib_module_names, and
+    IMPORTED). env: that Python's environment (`fresh_python`; e.g. a child's PYTHONPATH). A
+    module that Python imports while starting, a builtin or frozen one, or one a finder ahead of
+    the path finder provides cannot be shadowed; a folder without __init__.py (a namespace
+    package) shadows only a module that no regular file on the path provides, e.g. one from a
+    setuptools editable install (`pip install -e .`, found by a finder after the path finder).
+    The folder's own entry is no shadow when it is what is imported anyway (a checkout's root
+    holding the installed zerolab). Never raises: an unreadable folder shadows nothing.
+    """
+    folder = Path(folder).resolve()
+    names = {*IMPORTED, *sys.stdlib_module_names} if names is None else set(names)
+    try:
+        entries = [e for e in os.scandir(folder) if (_module_entry(e) or ("",))[0] in names]
+    except OSError:
+        return []
+    if not entries:
+        return []
+    path, loaded = fresh_python(folder, env)
+    first = [str(folder) if p == "" else p for p in path]
+    search = [p for p in path if p and Path(p).resolve() != folder]
+    found = {}
+    for entry in entries:
+        name = _module_entry(entry)[0]
+        if name in found or name in loaded:
+            continue
+        here = _where(_find(name, first))
+        if not any(p == folder or folder in p.parents for p in here):
+            continue                            # imported from elsewhere even with it first
+        elsewhere = _where(_find(name, search))
+        if elsewhere and elsewhere == here:
+            continue                            # it is the module imported anyway
+        found[name] = (name, Path(entry.path), str(elsewhere[0]) if elsewhere else "nowhere")
+    return [found[n] for n in sorted(found)]
+
+
+def shadow_line(shadows, folder, launching: bool = False) -> str:
+    """One line for `import_shadows`' findings in `folder`: what shadows what, where the real
+    module is (zerolab's, else the first), and the fix."""
+    def kind(p: Path) -> str:
+        if not p.is_dir():
+            return p.name
+        return f"{p.name}/" + ("" if (p / "__init__.py").exists() else " (no __init__.py)")
+    name, _, where = next((s for s in shadows if s[0] == "zerolab"), shadows[0])
+    checkout = next((p for _, p, _ in shadows if (p / "zerolab" / "__init__.py").is_file()), None)
+    fix = (f"cd {checkout} (the checkout's root, where the README's commands run)" if checkout
+           else "cd to another folder, or rename " + ("it" if len(shadows) == 1 else "them"))
+    who = ("a launch's processes would import" if launching else
+           "`python -m`, `python -c` and kernels started here import")
+    line = (f"the current folder {folder} holds {', '.join(kind(p) for _, p, _ in shadows)}, which "
+            f"{who} instead of the installed {'module' if len(shadows) == 1 else 'ones'} "
+            f"({name} is found at {where})")
+    if launching:
+        line += (f"; Python {sys.version_info.major}.{sys.version_info.minor} puts the current "
+                 "folder first, 3.11+ does not")
+    elif SAFE_PATH:
+        line += "; zerolab's own launches are safe, their children skip the current folder"
+    return f"{line}: {fix}"
