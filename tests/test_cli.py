@@ -180,12 +180,19 @@ def test_compare_writes_measured_equal_to_formula(compare_run):
 
 
 @pytest.mark.timeout(150)
-def test_same_command_twice_gives_identical_losses(compare_run):
+def test_same_command_twice_gives_identical_losses_and_keeps_the_first(compare_run):
+    """The README's main command typed twice, as it is (no --overwrite): it runs, the first
+    run moves to OUT.1 whole (one line says so) and the two runs' losses are bit-identical."""
     out, args, _, first = compare_run
-    for s in (0, 1, 2, 3):                      # so that stale files cannot pass for new ones
-        (out / f"stage{s}" / "rank0.json").unlink()
-    res = run_cmd(args + ["--overwrite"])       # the very same command, same output folder
+    before = json.loads((out / "run.json").read_text())["run_id"]
+    res = run_cmd(args)                         # the very same command, same output folder
     assert res.returncode == 0, res.stdout + res.stderr
+    kept = out.parent / f"{out.name}.1"
+    said = [ln for ln in res.stdout.splitlines() if "held run" in ln]
+    assert len(said) == 1 and f"held run {before} (compare, ok); it is now in {kept}" in said[0]
+    assert json.loads((kept / "compare.json").read_text())["run_id"] == before
+    assert {s: load_rank0(kept, s)["losses"] for s in (0, 1, 2, 3)} == first
+    assert json.loads((out / "compare.json").read_text())["run_id"] != before
     second = {s: load_rank0(out, s)["losses"] for s in (0, 1, 2, 3)}
     assert second == first                      # bit-identical floats, not approx
     assert len(first[0]) == 2 and first[0][0] != first[0][1]

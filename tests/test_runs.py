@@ -1,7 +1,8 @@
 """Results of different runs are never mixed, and nothing runs that the user did not ask for.
 
 Mixing: a folder in use is refused (a lock held by another process); a folder holding another
-run is refused, or cleanly replaced with --overwrite; readers keep one run's files and say so.
+run keeps it in a numbered sibling (OUT.1, ...), or has it cleanly replaced with --overwrite;
+readers keep one run's files and say so.
 Security (the loopback-only listeners of a single-node run are checked in test_faults.py, on a
 launch that is running there anyway): no file is unpickled unless it holds only tensors (torch.load weights_only=True); CUDA snapshots
 are JSON, and a planted pickle runs nothing.
@@ -75,13 +76,57 @@ def test_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys, no_launch,
 
 
 # --- a folder holding another run ----------------------------------------------------------------
-def test_folder_holding_another_run_is_refused_without_overwrite(tmp_path, capsys, no_launch):
+def test_a_folder_holding_another_run_keeps_it_beside_the_new_one(tmp_path, capsys, monkeypatch):
+    """The same command typed again: the earlier run (its manifest and results) moves to the
+    first free OUT.N - OUT.1 is taken here by a file of the user's, so OUT.2 - and one line says
+    where; the user's files in OUT stay, and OUT.2 reads back as the earlier run."""
+    monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: "")    # ranks that write nothing
     out = tmp_path / "o"
     old = finished_run(out, 4)
-    code = cli.main(["compare", "--nproc", "2", "--preset", "nano", "--steps", "2", "--out", str(out)])
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 2 and old in line and "--overwrite" in line
-    assert len(list(out.glob("stage*/rank*.json"))) == 16           # nothing was touched
+    (out / "notes.txt").write_text("mine")
+    (tmp_path / "o.1").write_text("the user's own o.1")
+    code = cli.main(["train", "--nproc", "2", "--preset", "nano", "--steps", "2", "--out", str(out)])
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "held run" in ln]
+    assert code == 0 and len(said) == 1, said
+    assert f"{out} held run {old} (compare, ok); it is now in {tmp_path / 'o.2'}" in said[0]
+    assert (tmp_path / "o.1").read_text() == "the user's own o.1"
+    assert folders.read_manifest(tmp_path / "o.2")["run_id"] == old
+    kept = results.load_run(tmp_path / "o.2")
+    assert sorted(kept) == [0, 1, 2, 3] and all(len(kept[s]) == 4 for s in kept)
+    assert (out / "notes.txt").read_text() == "mine" and not list(out.glob("stage*"))
+    assert folders.read_manifest(out)["run_id"] != old
+
+
+def test_overwrite_still_replaces_and_refuse_still_refuses(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: "")
+    out = tmp_path / "o"
+    old = finished_run(out, 4)
+    assert cli.main(["train", "--nproc", "2", "--preset", "nano", "--steps", "2", "--out",
+                     str(out), "--overwrite"]) == 0
+    assert "held run" not in capsys.readouterr().out
+    assert not list(tmp_path.glob("o.*")) and not list(out.glob("stage*"))
+    new = folders.read_manifest(out)["run_id"]
+    assert new != old
+    with pytest.raises(folders.RunFolderError, match=f"holds run {new} .*--overwrite"):
+        folders.begin_run(out, command="train", args={}, world_size=2, previous="refuse")
+    with pytest.raises(ValueError, match="'keeep' is not one of keep, replace, refuse"):
+        folders.begin_run(out, command="train", args={}, world_size=2, previous="keeep")
+
+
+def test_bench_twice_keeps_the_first_bench_json(tmp_path, capsys, monkeypatch):
+    """`zerolab bench` owns its folder too: a second bench keeps the first one's bench.json."""
+    def ranks(argv, nproc, **kw):            # rank 0's write, without the ranks
+        out = Path(argv[argv.index("--out") + 1])
+        (out / "bench.json").write_text(json.dumps({"pid": os.getpid(), "n": len(calls)}))
+        calls.append(out)
+    calls = []
+    monkeypatch.setattr("zerolab.cli.commands.run_torchrun", ranks)
+    out = tmp_path / "b"
+    for _ in range(2):
+        assert cli.main(["bench", "--preset", "nano", "--out", str(out)]) == 0
+    assert json.loads((tmp_path / "b.1" / "bench.json").read_text())["n"] == 0
+    assert json.loads((out / "bench.json").read_text())["n"] == 1
+    assert f"it is now in {tmp_path / 'b.1'}" in capsys.readouterr().out
 
 
 def test_overwrite_replaces_the_old_run_before_the_new_one_writes(tmp_path):

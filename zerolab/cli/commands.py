@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .. import offload, theory
 from ..run import job, options
-from ..run.folders import atomic_json
+from ..run.folders import atomic_json, check_out_dir, start_run
 from ..run.launch import LaunchError, LaunchInterrupted, run_torchrun
 
 number, positive_number = options.number(), options.positive_number
@@ -196,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "activations). Time from the cost model at the preset's shape.")
 
     from ..course import bench
-    bench.parser(command("bench", "zerolab stages vs torch DDP / ZeRO optimizer / FSDP2, "
-                                  "interleaved (course/bench.py)"), launcher=True)
+    bn = bench.parser(command("bench", "zerolab stages vs torch DDP / ZeRO optimizer / FSDP2, "
+                                       "interleaved (course/bench.py)"), launcher=True)
+    bn.add_argument("--overwrite", action="store_true", help=options.OPTIONS["overwrite"].help)
 
     train = command("train", "train one or more stages under torchrun")
     options.parser("train", train)
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="papermill parameter override for every lab (repeatable)")
     labs.add_argument("--timeout", type=positive_number, default=900, help="seconds per lab")
     labs.add_argument("--overwrite", action="store_true",
-                      help="replace the labs run OUT already holds (default: refuse)")
+                      help=options.OPTIONS["overwrite"].help.replace("the run", "the labs run"))
     labs.add_argument("--reference", action="store_true",
                       help="plot the committed CPU reference run instead of launching ranks")
 
@@ -330,9 +331,12 @@ def cmd_bench(args) -> int:
     if args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc} must be >= 1")
     bench.check_args(args, args.nproc)
+    check_out_dir(args.out)
     print(f"zerolab bench: {args.nproc} gloo rank(s), preset {args.preset}", flush=True)
     module = "zerolab.course.metercost" if args.meter_cost else bench.MODULE
-    run_torchrun(bench.rank_argv(args), args.nproc, timeout=args.timeout, module=module)
+    with start_run(args.out, command="bench", args=vars(args), world_size=args.nproc,
+                   overwrite=args.overwrite):
+        run_torchrun(bench.rank_argv(args), args.nproc, timeout=args.timeout, module=module)
     return 0
 
 

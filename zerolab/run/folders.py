@@ -7,9 +7,12 @@ Idea: every launch that writes into an output folder OUT is one *run* with an id
 - takes an exclusive lock on OUT/.zerolab.lock for the run's whole life (`fcntl.flock`: the kernel
   drops it when the process dies, so a killed run never leaves a stale lock), and refuses a second
   run into a folder that is in use;
-- refuses a folder that holds another run's results, unless `overwrite=True`, which deletes that
-  run's files first (only the paths its manifest names as outputs, never anything else, and
-  never through a symbolic link: a link is removed itself, what it points to stays);
+- keeps a run the folder already holds: its manifest and the result paths it names move to a
+  new numbered sibling, OUT.1 (then OUT.2, ...), and one line says where (`keep_aside`), so the
+  same command can be typed again and again; `overwrite=True` deletes that run's files instead
+  (only the paths its manifest names as outputs, never anything else, and never through a
+  symbolic link: a link is removed itself, what it points to stays); `previous="refuse"`
+  refuses the folder;
 - writes OUT/run.json: run id, command, arguments, world size, start time, versions, status.
 
 Every file a run writes carries its run id (a "run_id" key in JSON files and torch files, PNG
@@ -42,10 +45,14 @@ from .resources import describe
 
 MANIFEST = "run.json"
 LOCK = ".zerolab.lock"
-#: what a run of each command writes (globs relative to OUT); --overwrite deletes these only
+#: what a run of each command writes (globs relative to OUT); --overwrite deletes these only,
+#: keeping a run moves these (and the manifest) aside
 OUTPUTS = {"train": ["stage[0-9]*", "compare.json", "compare.png"],
            "compare": ["stage[0-9]*", "compare.json", "compare.png"],
-           "labs": ["lab*", "report.md"]}
+           "labs": ["lab*", "report.md"],
+           "bench": ["bench.json", "meter_cost.json"]}
+#: what `begin_run` does with a run OUT already holds
+PREVIOUS = ("keep", "replace", "refuse")
 
 
 class RunFolderError(ValueError):
@@ -236,13 +243,61 @@ def _remove(path: Path, keep: list[Path]):
     remove_tree(path)
 
 
+def _size(paths) -> int:
+    total = 0
+    for f in _files(paths):
+        with contextlib.suppress(OSError):
+            total += f.lstat().st_size
+    return total
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:,.0f} {unit}" if unit == "bytes" else f"{nbytes:.3g} {unit}"
+        nbytes /= 1000
+    return ""
+
+
+def keep_aside(out, held: list[Path]) -> Path:
+    """Move the run OUT holds - its manifest and its result paths `held` (entries of OUT) - into
+    a new sibling folder OUT.1, or OUT.2, ... (the first number not taken); return that folder
+    as OUT was given (runs/compare -> runs/compare.1). Files of OUT that are not the run's stay.
+    Raises RunFolderError (one line) when OUT has no parent to hold a sibling (the root)."""
+    out = Path(out)
+    base = out.resolve()
+    if base.parent == base:
+        raise RunFolderError(f"--out {str(out)!r} holds an earlier run and has no parent folder "
+                             "to keep it in; pass --overwrite to replace it, or choose another --out")
+    k = 1
+    while True:
+        sibling = base.parent / f"{base.name}.{k}"
+        try:
+            sibling.mkdir()                     # taken atomically: two runs never share one
+            break
+        except FileExistsError:
+            k += 1
+    for p in [*held, out / MANIFEST]:
+        src = base / p.relative_to(out)
+        if os.path.lexists(src):
+            shutil.move(str(src), str(sibling / src.name))   # a rename on one file system
+    return out.parent / sibling.name if out.name else sibling
+
+
 def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool = False,
-              run_id: str | None = None, outputs=None, resume=None) -> Run:
-    """Lock OUT, check it holds no other run (or delete that run's outputs when `overwrite`),
-    write the manifest with status "running"; return the Run. Raises RunFolderError (one line).
-    `resume`: the checkpoint a resumed run starts from; when it lies inside OUT the run
-    continues OUT's run: the earlier results are replaced without --overwrite, the checkpoint
-    folder is kept."""
+              run_id: str | None = None, outputs=None, resume=None, previous: str | None = None,
+              echo=None) -> Run:
+    """Lock OUT, deal with a run it already holds, write the manifest with status "running";
+    return the Run. Raises RunFolderError (one line), ValueError for a bad `previous`.
+
+    previous: what happens to a run OUT holds - "keep" (the default): it moves to OUT.1 (OUT.2,
+    ...: `keep_aside`) and `echo` (default: print) says so in one line; "replace" (the default
+    with `overwrite=True`): its outputs are deleted; "refuse": RunFolderError. `resume`: the
+    checkpoint a resumed run starts from; when it lies inside OUT the run continues OUT's run:
+    the earlier results are replaced, the checkpoint folder is kept."""
+    previous = previous or ("replace" if overwrite else "keep")
+    if previous not in PREVIOUS:
+        raise ValueError(f"previous {previous!r} is not one of {', '.join(PREVIOUS)}")
     out = check_out_dir(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -272,9 +327,18 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
             if continues(out, resume):          # keep the whole checkpoints folder it is in
                 src = Path(resume).resolve()
                 keep = [src.parent if src.parent.name == "checkpoints" else src]
-            elif not overwrite:
+            elif previous == "refuse":
                 raise RunFolderError(f"--out {str(out)!r} holds {what}; pass --overwrite to replace "
                                      "it, or choose another --out")
+            elif previous == "keep" and held:      # results to keep (a bare manifest is not)
+                size = _size([*held, out / MANIFEST])
+                moved = keep_aside(out, held)
+                desc = (f"run {old['run_id']} ({old.get('command')}, {old.get('status')})" if old
+                        else f"{len(held)} result path(s) of an earlier run")
+                (echo or (lambda line: print(line, flush=True)))(
+                    f"zerolab {command}: {out} held {desc}; it is now in {moved} "
+                    f"({_human(size)}; --overwrite replaces instead of keeping)")
+                held = []
             base = out.resolve()                # the folder named, never the entries' links
             for p in held:
                 _remove(base / p.relative_to(out), keep)

@@ -153,8 +153,8 @@ OPTIONS = {o.dest: o for o in (
            "100gbe, ...) or GBPS[@LATENCY_US], e.g. 0.1@200", {"metavar": "SPEC"}),
     # --- what it writes --------------------------------------------------------------------------
     Option(("--out",), "output folder: OUT/stage{S}/rank{r}.json for every stage and rank"),
-    Option(("--overwrite",), "replace the run OUT already holds (default: refuse)", _ON,
-           to_ranks=False),
+    Option(("--overwrite",), "replace the run OUT already holds (default: keep it, moved to "
+           "the first free OUT.1, OUT.2, ...)", _ON, to_ranks=False),
     Option(("--timeline",), "record memory over the last step", _ON),
     Option(("--trace",), "Chrome / Perfetto trace of the last step but one per rank: "
            "OUT/stage{S}/trace_rank{r}.json (zerolab/timing/trace.py)", _ON),
