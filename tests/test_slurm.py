@@ -136,6 +136,68 @@ def test_readme_and_workshop_show_the_script():
         assert "sbatch scripts/slurm/zerolab.sbatch train" in doc.read_text(), doc
 
 
+def test_slurm_help_gives_usage_the_script_and_an_example(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["slurm", "--help"])
+    text = capsys.readouterr().out
+    assert stop.value.code == 0
+    assert "zerolab slurm --print-script COMMAND" in text and "zerolab slurm COMMAND" in text
+    assert "sbatch --nodes=4 job.sbatch" in text                       # an example
+    script = slurm.sbatch_script(["train", "--preset", "gpt2", "--nproc", "8", "--out",
+                                  "runs/slurm"], python="/path/to/python")
+    for line in script.splitlines():                                   # the script, shown
+        if not line.startswith("# "):
+            assert "  " + line in text, line
+
+
+def test_print_script_refuses_what_a_task_would_refuse(capsys):
+    assert cli.main(["slurm", "--print-script", "train", "--nnodes", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--nnodes" in err[0] and "leave it out" in err[0], err
+    assert cli.main(["slurm", "--print-script", "--nodes", "0", "train"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--nodes 0" in err[0], err
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun for one task on this machine: drop srun's options, set what Slurm sets, run the rest
+while [[ "$1" == --* ]]; do shift; done
+export SLURM_NTASKS=1 SLURM_PROCID=0 SLURM_JOB_ID=7 SLURM_STEP_ID=0 SLURM_STEP_NODELIST=localhost
+exec "$@"
+"""
+
+
+@pytest.mark.timeout(200)
+def test_the_printed_script_trains_from_a_folder_holding_a_learners_torch_py(tmp_path, capsys):
+    """The batch script `--print-script` writes, run as a job starts it (bash, in the submit
+    folder, srun on PATH: a stand-in for one task) from a folder that holds a learner's torch.py
+    - which Python started there imports (checked first) - trains: the launcher and its ranks
+    import the installed torch and this zerolab."""
+    submit = tmp_path / "submit"
+    submit.mkdir()
+    (submit / "torch.py").write_text("raise ImportError('the torch.py of the submit folder')\n")
+    premise = subprocess.run([sys.executable, "-c", "import torch"], cwd=submit, text=True,
+                             capture_output=True, env={k: v for k, v in os.environ.items()
+                                                       if k != "PYTHONSAFEPATH"})
+    assert "the torch.py of the submit folder" in premise.stderr
+    assert cli.main(["slurm", "--print-script", "train", "--preset", "nano", "--steps", "1",
+                     "--nproc", "2"]) == 0
+    script = tmp_path / "job.sbatch"
+    script.write_text(capsys.readouterr().out)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text(FAKE_SRUN)
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONSAFEPATH", None)
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run(["bash", str(script), "--out", str(tmp_path / "out")], cwd=submit,
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "zerolab slurm: task 0 of 1" in res.stdout
+    ranks = [json.loads((tmp_path / "out" / "stage0" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1]
+
+
 # --- a one-node cluster on this machine -------------------------------------------------------
 def _tool(name):
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")

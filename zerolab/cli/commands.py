@@ -233,10 +233,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("doctor", "check this machine for the course (each line OK or the fix; < 30 s)")
 
-    sl = command("slurm", "under srun, one task per node: train / compare across the job's "
-                          "nodes, rendezvous from Slurm (run/slurm.py, scripts/slurm/zerolab.sbatch)")
-    sl.add_argument("zerolab", nargs=argparse.REMAINDER, metavar="COMMAND ...",
-                    help="a zerolab command line: train ..., compare ..., labs ...")
+    from ..run import slurm
+    sl = sub.add_parser("slurm", formatter_class=argparse.RawDescriptionHelpFormatter,
+                        help="a zerolab command on a Slurm cluster: train / compare across the "
+                             "job's nodes (--print-script writes the batch script)",
+                        description=slurm.HELP, epilog=slurm.help_epilog())
+    sl.add_argument("--print-script", action="store_true", help=(
+        "print a batch script that runs COMMAND on the job's nodes, and exit (nothing runs): "
+        "zerolab slurm --print-script train --nproc 8 > job.sbatch; sbatch job.sbatch"))
+    sl.add_argument("--nodes", type=int, default=2, help=(
+        "with --print-script: the script's #SBATCH --nodes (default: 2; sbatch --nodes=N "
+        "overrides it)"))
+    sl.add_argument("zerolab", nargs=argparse.REMAINDER, metavar="COMMAND ...", help=(
+        "a zerolab command line, e.g. train --stages 0,1,2,3 --preset gpt2 --nproc 8 --out "
+        "runs/slurm; train and compare form one world over the job's nodes (--nproc: ranks per "
+        "node), labs and any other command run on the first node only"))
 
     ck = sub.add_parser("checkpoint", help="work with saved checkpoints (zerolab train --save-every)")
     actions = ck.add_subparsers(dest="action", required=True)
@@ -393,6 +404,9 @@ def cmd_check(args) -> int:
 
 def cmd_slurm(args) -> int:
     from ..run import slurm
+    if args.print_script:
+        print(slurm.sbatch_script(args.zerolab, nodes=args.nodes), end="")
+        return 0
     cmd = slurm.command(args.zerolab, os.environ)           # ValueError: outside a job step
     print(slurm.announce(args.zerolab, cmd, os.environ), flush=True)
     return 0 if cmd is None else main(cmd)

@@ -21,11 +21,18 @@ the other tasks end at once. The rendezvous, as pure functions of the environmen
 A single task gets no rendezvous options: it runs as `zerolab train` does on one machine,
 standalone, every listener on loopback only. Slurm's node names are taken as host names (what
 `scontrol show hostnames` prints); they must resolve on every node.
+
+`zerolab slurm --print-script COMMAND ...` prints a batch script for one command line
+(`sbatch_script`): this Python, COMMAND baked in, and the imports kept to this zerolab
+wherever the job starts (the submit folder may hold the checkout `zerolab/`, or a learner's
+`torch.py`: `preflight.child_env`).
 """
 from __future__ import annotations
 
 import os
 import re
+import shlex
+import sys
 
 #: commands whose launchers form one world across the tasks; any other runs on task 0 only
 WORLD_COMMANDS = ("train", "compare")
@@ -123,3 +130,86 @@ def announce(argv: list[str], cmd: list[str] | None, env) -> str:
     if cmd is None:
         return f"zerolab slurm: {task}: `zerolab {argv[0]}` runs on task 0 only"
     return f"zerolab slurm: {task} on {os.uname().nodename}: zerolab {' '.join(cmd)}"
+
+
+def sbatch_script(argv: list[str], *, nodes: int = 2, cpus_per_task: int | None = None,
+                  time_limit: str = "00:30:00", python: str | None = None) -> str:
+    """A batch script (text) that runs `zerolab slurm ARGV` as one task per node on `nodes` nodes:
+    the #SBATCH lines (`cpus_per_task`: default the larger of 8 and ARGV's --nproc), then srun
+    with `python` (default: this interpreter, so the job needs no activated environment) and
+    ARGV, plus any arguments given after the script's name to sbatch. The children import the
+    zerolab this process imports, whatever folder the job starts in: PYTHONSAFEPATH=1 (Python
+    3.11+; on 3.10 the current folder is dropped from sys.path by hand) and, for a checkout
+    that is not in site-packages, its folder first on PYTHONPATH. ValueError (one line) for an
+    ARGV `command` refuses, or nodes < 1."""
+    from .preflight import SAFE_PATH, _site_dirs, package_root
+    command(argv, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"})   # the same refusals, one line
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"--nodes {nodes!r} must be an integer >= 1")
+    nproc = next((int(v) for k, v in zip(argv, argv[1:]) if k == "--nproc" and v.isdigit()), 1)
+    cpus = cpus_per_task or max(8, nproc)
+    python = shlex.quote(python or sys.executable)
+    root = package_root()
+    lines = [
+        "#!/bin/bash",
+        f"# zerolab {' '.join(shlex.quote(a) for a in argv)} on a Slurm cluster, one launcher per "
+        "node (written by `zerolab slurm --print-script`).",
+        "# Submit: sbatch THIS_FILE [more zerolab options]; sbatch's own options override the "
+        "#SBATCH lines (sbatch --nodes=4 THIS_FILE).",
+        "# --nproc is ranks per node; --out must be on a file system every node sees.",
+        f"#SBATCH --job-name=zerolab-{argv[0]}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={cpus}",
+        f"#SBATCH --time={time_limit}",
+        "#SBATCH --output=zerolab-%j.out",
+        "##SBATCH --gpus-per-node=8      # a GPU cluster: delete one '#', give --nproc 8 (NCCL)",
+        "set -euo pipefail",
+    ]
+    if root not in _site_dirs():
+        lines.append(f"export PYTHONPATH={shlex.quote(str(root))}${{PYTHONPATH:+:$PYTHONPATH}}"
+                     "   # the zerolab this script was written by")
+    if SAFE_PATH:
+        lines.append("export PYTHONSAFEPATH=1   # the submit folder is not first on sys.path (a "
+                     "checkout's zerolab/ there would be imported instead)")
+        start = f"{python} -m zerolab slurm"
+    else:
+        start = (f"{python} -c 'import sys; del sys.path[0]; from zerolab.cli import main; "
+                 "sys.exit(main())' slurm")
+    lines += [
+        "# srun passes the job's --cpus-per-task on (Slurm 22.05 does not by itself); "
+        "--kill-on-bad-exit: a launcher that fails stops the others",
+        "exec srun --kill-on-bad-exit=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} \\",
+        f"    {start} {' '.join(shlex.quote(a) for a in argv)} \"$@\"",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+HELP = """\
+Run a zerolab command on a Slurm cluster, one launcher per node.
+
+  zerolab slurm COMMAND ...                 inside a job step (srun, one task per node)
+  zerolab slurm --print-script COMMAND ...  print a batch script for COMMAND; nothing runs
+
+Inside a job step each task reads Slurm's environment and adds --nnodes (SLURM_NTASKS),
+--node-rank (SLURM_PROCID) and --rdzv-endpoint (the first host of the node list, port 20000 + a
+number from the job id, or ZEROLAB_RDZV_PORT) to COMMAND, then runs `zerolab COMMAND` in the same
+process (Slurm's SIGTERM at the time limit or on scancel reaches it, and it stops its ranks).
+Outside a job step it exits 2 with one line. A batch script starts it under srun: either
+scripts/slurm/zerolab.sbatch from the checkout (COMMAND after the script's name), or the one
+--print-script writes (COMMAND baked in, this Python, the imports kept to this zerolab
+whatever folder the job starts in)."""
+
+
+def help_epilog() -> str:
+    """`zerolab slurm --help`'s examples, and the script `sbatch_script` writes for one."""
+    example = ["train", "--preset", "gpt2", "--nproc", "8", "--out", "runs/slurm"]
+    script = sbatch_script(example, python="/path/to/python")
+    shown = [ln for ln in script.splitlines() if not ln.startswith("# ")]
+    return ("examples:\n"
+            "  zerolab slurm --print-script train --preset gpt2 --nproc 8 --out runs/slurm > job.sbatch\n"
+            "  sbatch --nodes=4 job.sbatch             # 4 nodes x 8 ranks = a world of 32\n"
+            "  sbatch scripts/slurm/zerolab.sbatch compare --preset tiny --nproc 4 --out runs/slurm-compare\n"
+            "  srun --nodes=2 --ntasks-per-node=1 zerolab slurm train --nproc 8   # inside salloc\n\n"
+            "the script --print-script writes for the first example (comments left out):\n" +
+            "\n".join("  " + ln for ln in shown))
