@@ -1,20 +1,24 @@
 """The first minutes of a new user (issue #31): the README's commands typed where a fresh clone
-leaves you.
+leaves you, a run that will take long, more ranks than cores.
 
 - A command typed in the clone's parent, which holds the checkout `zerolab/` (a folder without
   __init__.py: `python -m` imports it as an empty namespace package, ahead of an editable
   install), trains: every process a launch starts imports the zerolab the command imported
   (`preflight.child_env`). The other member of the kind, made up here: a learner's `torch.py`
-  (`zerolab doctor`'s cases below).
+  (a Slurm job's submit folder holds one in tests/test_slurm.py; `zerolab doctor`'s cases below).
   On Python 3.10, which cannot keep the current folder off a child's path, the launch is refused
   in one line instead.
 - `zerolab doctor` there names the shadowing entry and the fix, and no longer blames the kernel;
   the expected verdict comes from Python itself (what `python -c` started in the folder finds).
+- Before a run on CPU one line says what it will cost and, when long, how to shorten it; after
+  the first step one line says what the whole will take at that pace. Far more ranks than cores
+  are refused in one line naming the cores and the accepted range; somewhat more are warned of.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,8 +27,9 @@ from pathlib import Path
 import pytest
 
 import zerolab
+from zerolab import cli
 from zerolab.course import doctor
-from zerolab.run import launch, preflight
+from zerolab.run import job, launch, options, preflight
 
 INSTALLED = Path(zerolab.__file__).resolve().parent
 
@@ -164,3 +169,82 @@ def test_doctor_in_the_clones_parent_blames_the_folder_not_the_kernel(tmp_path):
     assert f"cd {here / 'zerolab'}" in fixes[0], fixes
     assert any(ln.startswith("OK") and "kernel 'python3'" in ln for ln in res.stdout.splitlines())
     assert any(ln.startswith("OK") and "gloo ranks started" in ln for ln in res.stdout.splitlines())
+
+
+# --- 3. what a run will cost, and more ranks than cores ----------------------------------------
+def test_what_the_run_will_cost_is_said_before_and_after_its_first_step(beside_the_clone):
+    """Before: one line with the estimate. After step 1: one line whose numbers are the rank's
+    own step time x the steps left (2 of 3), as rank 0 printed it."""
+    res, _ = beside_the_clone
+    lines = res.stdout.splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("[stage 0] step 1/3"))
+    before = [ln for ln in lines[:first] if ln.startswith("zerolab: about ")]
+    assert len(before) == 1 and "the first step tells" in before[0], lines[:first]
+    ms = int(re.search(r"(\d+) ms$", lines[first]).group(1))
+    pace = lines[first + 1]
+    assert pace.startswith(f"zerolab: step 1 took {job.format_seconds(ms / 1e3)};"), pace
+    assert f"the 2 step(s) left take ~{job.format_seconds(2 * ms / 1e3)}," in pace, pace
+
+
+def test_the_estimate_is_near_the_measured_step_time(beside_the_clone):
+    """The estimate's step (cost model FLOPs at this machine's measured speed) is within a
+    factor of 5 of the steps the ranks measured (the middle ones: the first warms up, the last
+    cross-checks memory)."""
+    res, out = beside_the_clone
+    measured = json.loads((out / "stage0" / "rank0.json").read_text())["step_times_s"][1]
+    said = re.search(r"step\(s\) of ~(\S+) (s|min)", res.stdout)
+    assert said, res.stdout
+    est = float(said.group(1)) * (60 if said.group(2) == "min" else 1)
+    assert measured / 5 < est < measured * 5, (est, measured)
+
+
+@pytest.mark.parametrize("preset, long", [("gpt2", True), ("nano", False)])
+def test_a_long_run_is_told_how_to_be_shorter(preset, long):
+    args = options.parser("train").parse_args(["--preset", preset, "--nproc", "2"])
+    line = job.estimate(args, "cpu")
+    seconds = job.estimate_seconds(options.model_config(args), steps=args.steps, stages=1,
+                                         batch_size=args.batch_size, nproc=2)["total"]
+    assert (seconds > job.LONG) == long, seconds
+    assert ("shorter: --steps" in line and "--preset small" in line) == long, line
+
+
+def test_far_more_ranks_than_cores_are_refused_in_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: pytest.fail("a launch started"))
+    cores = len(os.sched_getaffinity(0))
+    nproc = preflight.MAX_PER_CORE * cores + 1
+    code = cli.main(["train", "--preset", "nano", "--nproc", str(nproc), "--batch-size",
+                     str(nproc), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert (f"--nproc {nproc} " in err[0] and f"{cores} core(s)" in err[0]
+            and f"--nproc 1-{preflight.MAX_PER_CORE * cores} is accepted" in err[0]), err[0]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_ranks_per_core_quiet_then_warned_then_refused(cores):
+    quiet, most = preflight.QUIET_PER_CORE * cores, preflight.MAX_PER_CORE * cores
+    for nproc in (1, quiet):
+        assert preflight.check_cores(nproc, cores=cores) == "", nproc
+    for nproc in (quiet + 1, most):
+        line = preflight.check_cores(nproc, cores=cores)
+        assert line and "\n" not in line, nproc
+        assert f"--nproc {nproc} " in line and f"{cores} CPU core(s)" in line, line
+    with pytest.raises(ValueError, match=rf"--nproc {most + 1} is more than .* {cores} core"):
+        preflight.check_cores(most + 1, cores=cores)
+
+
+@pytest.mark.parametrize("files, cores", [
+    ({"cpu.max": "150000 100000\n"}, 150000 / 100000),                      # cgroup v2, --cpus 1.5
+    ({"cpu.max": "max 100000\n"}, None),                                    # v2, no quota
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 300000 / 100000),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),      # v1, none
+    ({}, None),                                                             # no cgroup files
+])
+def test_a_containers_cpu_quota_is_read_as_cores(tmp_path, files, cores):
+    """A container limited with `docker run --cpus` sees every core in its affinity mask; the
+    quota in its cgroup (quota / period microseconds) is what its ranks share."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert preflight.cgroup_cpus(str(tmp_path)) == cores

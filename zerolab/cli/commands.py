@@ -28,6 +28,7 @@ from .. import offload, theory
 from ..run import job, options
 from ..run.folders import atomic_json, check_out_dir, start_run
 from ..run.launch import LaunchError, LaunchInterrupted, run_torchrun
+from ..run.preflight import check_cores
 
 number, positive_number = options.number(), options.positive_number
 
@@ -342,8 +343,11 @@ def cmd_bench(args) -> int:
     if args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc} must be >= 1")
     bench.check_args(args, args.nproc)
+    warning = check_cores(args.nproc, "cpu", flag="--nproc")
     check_out_dir(args.out)
     print(f"zerolab bench: {args.nproc} gloo rank(s), preset {args.preset}", flush=True)
+    if warning:
+        print(f"zerolab bench: {warning}", flush=True)
     module = "zerolab.course.metercost" if args.meter_cost else bench.MODULE
     with start_run(args.out, command="bench", args=vars(args), world_size=args.nproc,
                    overwrite=args.overwrite):

@@ -25,13 +25,16 @@ initialises CUDA or runs a collective itself:
 from __future__ import annotations
 
 import contextlib
+import re
+import time
 
 from ..data import load_tokens
 from . import options
 from .ckptio import kept_in
 from .folders import check_out_dir, start_run
 from .launch import LaunchError, auto_note, resolve, run_torchrun
-from .preflight import check_data_path, check_fits_memory, check_rdzv_endpoint
+from .preflight import (START_PER_RANK, check_cores, check_data_path, check_fits_memory,
+                        check_rdzv_endpoint, usable_cores)
 from .resources import ResourceError, check_address_space, check_open_files, describe
 
 
@@ -57,6 +60,7 @@ def check(args, given: set[str] | None = None) -> tuple[str, str]:
 def _check(args, given: set[str] | None) -> tuple[str, str]:
     check_address_space()                   # `ulimit -v` below what any rank needs: one line
     backend, device = resolve(args.nproc, args.backend, args.device, args.nnodes)
+    check_cores(args.nproc, device)         # far more ranks than cores: refused, one line
     check_open_files(args.nproc)            # `ulimit -n` too (it would hang the rendezvous)
     world_size = args.nproc * args.nnodes
     if getattr(args, "resume", None):       # fills the options not given from the checkpoint
@@ -95,6 +99,83 @@ def _say(line: str):
     print(line, flush=True)
 
 
+def estimate(args, device: str) -> str:
+    """The line said before a launch on CPU: what the run will cost (`estimate_seconds`:
+    the cost model's FLOPs at this machine's measured speed) and, when that is longer than LONG
+    seconds, how to make it shorter (fewer steps, a smaller preset); the cores warning
+    (`preflight.check_cores`) before it when there is one. "" on CUDA, which is not measured
+    here (the launcher never initialises CUDA): the first step's time tells (`Pace`)."""
+    from ..model import PRESETS, get_config
+    warning = check_cores(args.nproc, device)
+    lines = [f"zerolab: {warning}"] if warning else []
+    if device != "cpu":
+        return "\n".join(lines)
+    cfg, stages = options.model_config(args), len(options.parse_stages(args.stages))
+    rows = args.batch_size // args.nnodes           # this node's share of the global batch
+    est = estimate_seconds(cfg, steps=args.steps, stages=stages, batch_size=rows,
+                           nproc=args.nproc, precision=args.precision)
+    line = (f"zerolab: about {format_seconds(est['total'])} in all ({stages} stage(s) x "
+            f"{args.steps} step(s) of ~{format_seconds(est['step'])}: {_si(est['flop'])}FLOP a "
+            f"step at ~{_si(est['rate'])}FLOP/s, {args.nproc} rank(s) on "
+            f"{usable_cores()} core(s) in {args.precision}, measured now; the first step tells)")
+    if est["total"] > LONG:
+        per = (est["total"] - est["step"] * args.steps * stages) / max(stages, 1)
+        steps = max(1, int((LONG / stages - per) / est["step"]))
+        ideas = []
+        if steps < args.steps:
+            shorter = per * stages + steps * stages * est["step"]
+            ideas.append(f"--steps {steps} (~{format_seconds(shorter)})")
+        names = list(PRESETS)
+        if args.preset in names and names.index(args.preset) > 0:
+            smaller = names[names.index(args.preset) - 1]
+            shape = {"block_size": args.block_size} if args.block_size else {}
+            small = estimate_seconds(get_config(smaller, **shape), steps=args.steps,
+                                     stages=stages, batch_size=rows, nproc=args.nproc,
+                                     flops_per_core=est["per_core"])
+            ideas.append(f"--preset {smaller} (~{format_seconds(small['total'])})")
+        if ideas:
+            line = line[:-1] + f"; shorter: {' or '.join(ideas)})"
+    return "\n".join(lines + [line])
+
+
+def _si(x: float) -> str:
+    """1.87e10 -> "18.7 G" (k, M, G, T, P)."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g} {prefix}"
+    return f"{x:.3g} "
+
+
+_PROGRESS = re.compile(r"^\[stage (\d+)\] step (\d+)/(\d+) .* (\d+) ms$")
+
+
+class Pace:
+    """An echo that passes every line on and, after the first progress line of rank 0
+    (`[stage S] step K/N ... T ms`), says once what the whole run will take at that step's
+    pace: the steps left in this stage and in the stages after it, x T, plus the time so far
+    (nothing when no step is left)."""
+
+    def __init__(self, echo, stages: list[int]):
+        self.echo, self.stages, self.t0, self.said = echo, stages, time.monotonic(), False
+
+    def __call__(self, line: str):
+        self.echo(line)
+        m = None if self.said else _PROGRESS.match(line.strip())
+        if m is None:
+            return
+        self.said = True
+        stage, k, n, ms = (int(g) for g in m.groups())
+        later = self.stages[self.stages.index(stage) + 1:] if stage in self.stages else []
+        left = (n - k) + n * len(later)
+        if left == 0:
+            return
+        rest = left * ms / 1e3
+        self.echo(f"zerolab: step {k} took {format_seconds(ms / 1e3)}; at that pace the {left} "
+                  f"step(s) left take ~{format_seconds(rest)}, the run ~"
+                  f"{format_seconds(time.monotonic() - self.t0 + rest)} in all (Ctrl-C stops "
+                  "every rank)")
+
+
 def start_ranks(args, run_id: str | None, backend: str, device: str, *, echo=_say,
                 announce: bool = True, argv: list[str] | None = None) -> str:
     """torchrun `zerolab.run.train` with args' options (`options.rank_argv`, or `argv` when
@@ -102,13 +183,18 @@ def start_ranks(args, run_id: str | None, backend: str, device: str, *, echo=_sa
     (args.nnodes nodes) with the checked `backend` and `device`, stopped after args.timeout
     seconds; returns the ranks' output, raises launch.LaunchError when the run fails. announce:
     first say in one line what runs (and in another why "auto" chose the CPU, when it did
-    although GPUs are visible)."""
+    although GPUs are visible), what it will cost (`estimate`; a warning when the ranks
+    outnumber the cores), and after the first step what the whole will take (`Pace`)."""
     if announce:
         echo(f"zerolab: {args.nproc * args.nnodes} rank(s), {backend} on {device}, stages "
              f"{args.stages}, preset {args.preset}" + (f", run {run_id}" if run_id else ""))
         note = auto_note(args.nproc, args.backend, args.device, backend, device)
         if note:
             echo(f"zerolab: {note}")
+        cost = estimate(args, device)
+        if cost:
+            echo(cost)
+        echo = Pace(echo, options.parse_stages(args.stages))
     if argv is None:
         argv = options.rank_argv(args, backend=backend, device=device)
     argv = argv + (["--run-id", run_id] if run_id else [])
@@ -121,3 +207,80 @@ def start_ranks(args, run_id: str | None, backend: str, device: str, *, echo=_sa
         line, todo = str(err).split("\n")[0], err.ran_out[1]
         line = line[:-len(todo) - 2] if line.endswith(f"; {todo}") else line
         raise LaunchError(f"{line}: {kept_in(args.out)}; {todo}", ran_out=err.ran_out) from None
+
+
+# --- what a run will cost -------------------------------------------------------------------
+def core_flops(dtype: str = "bf16", seconds: float = 0.1, size: int = 512) -> float:
+    """FLOP/s of one CPU core on `size` x `size` matrix products in `dtype` ("bf16", "fp32"),
+    measured now for about `seconds` (one thread; this machine's load included)."""
+    import torch
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
+        a @ b                                  # warm-up
+        n, t0 = 0, time.perf_counter()
+        while True:
+            a @ b
+            n += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds:
+                return 2 * size ** 3 * n / elapsed
+    finally:
+        torch.set_num_threads(threads)
+
+
+#: the share of `core_flops` a rank's training step reaches (attention, layer norms, the
+#: optimizer and Python around the matrix products): measured 0.75 on 2 cores, preset gpt2, bf16
+#: (5.15 TFLOP a step in 114 s with 2 ranks; one core's 512 x 512 products: 30 GFLOP/s)
+STEP_EFFICIENCY = 0.75
+#: what a step costs beyond its FLOPs (collectives' latency, the loss's all_reduce, logging) and
+#: what starting the launcher, torchrun and the ranks costs, seconds: measured on 2 cores, nano
+STEP_OVERHEAD, START = 0.05, 8.0
+#: seconds each stage adds (building it; its last step's memory cross-check): measured ~2 s,
+#: preset small and tiny on 2 cores
+PER_STAGE = 2.0
+#: a run estimated longer than this (seconds) is told how to be shorter
+LONG = 120.0
+
+
+def format_seconds(seconds: float) -> str:
+    """"45 s", "3 min 20 s", "2 h 05 min"."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 60:
+        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+    if seconds < 3600:
+        m, s = divmod(int(round(seconds)), 60)
+        return f"{m} min {s:02d} s"
+    h, m = divmod(int(round(seconds / 60)), 60)
+    return f"{h} h {m:02d} min"
+
+
+def estimate_seconds(cfg, *, steps: int, stages: int, batch_size: int, nproc: int,
+                     precision: str = "bf16", flops_per_core: float | None = None,
+                     cores: int | None = None) -> dict:
+    """What a CPU run will cost, from the cost model's FLOPs (`timing.flops.flops_per_token`:
+    6Ψ + 12·L·d·T per token, batch_size x block_size tokens a step, all ranks together) over the
+    cores the ranks share (at most one each) at `flops_per_core` x STEP_EFFICIENCY (default:
+    `core_flops(precision)`, measured now), plus STEP_OVERHEAD a step, PER_STAGE a stage, and
+    START plus START_PER_RANK per rank beyond the cores. Measured against it (2 cores): gpt2,
+    2 ranks, 2 steps: 4 min 10 s estimated, 4 min 41 s taken; small, 2 ranks, 5 steps: 12 s,
+    14-16 s; tiny, `zerolab compare`: 26 s, 15 s idle to 40 s loaded.
+    Returns {"step", "total", "flop", "rate", "per_core"}: seconds a step, seconds in all, FLOPs
+    a step, FLOP/s of all ranks, and the core's FLOP/s used (pass it on to price another shape
+    without measuring again)."""
+    import torch
+
+    from ..model import GPT, num_params
+    from ..timing.flops import flops_per_token
+    cores = usable_cores() if cores is None else cores
+    with torch.device("meta"):
+        psi = num_params(GPT(cfg))
+    flop = flops_per_token(psi, n_layer=cfg.n_layer, d_model=cfg.n_embd,
+                           seq_len=cfg.block_size) * batch_size * cfg.block_size
+    per_core = core_flops(precision) if flops_per_core is None else flops_per_core
+    rate = min(nproc, cores) * per_core * STEP_EFFICIENCY
+    step = flop / rate + STEP_OVERHEAD * max(1.0, nproc / cores)
+    total = START + START_PER_RANK * max(0, nproc - cores) + stages * (PER_STAGE + steps * step)
+    return {"step": step, "total": total, "flop": flop, "rate": rate, "per_core": per_core}

@@ -155,6 +155,68 @@ def check_fits_memory(cfg, *, batch_size: int, nproc: int, world_size: int, grad
     return need
 
 
+# --- cores ---------------------------------------------------------------------------------------
+#: ranks per CPU core: up to QUIET_PER_CORE nothing is said (the README's `zerolab compare`: 4
+#: ranks on a 2-core laptop), up to MAX_PER_CORE one line warns, beyond that the run is refused.
+#: Measured on 2 cores (nano, 2 steps): 2 ranks 10 s, 4 ranks 13 s, 8 ranks 25 s, 16 ranks 51 s -
+#: each rank beyond the cores adds ~2.6 s of starting alone (a process that imports torch)
+QUIET_PER_CORE, MAX_PER_CORE = 2, 8
+#: seconds of a core that starting one rank costs (torch's import, the rendezvous; measured above)
+START_PER_RANK = 2.6
+
+
+def cgroup_cpus(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPU quota of this process's control group in cores (a container's `docker run
+    --cpus 2`: 2.0), from cgroup v2's cpu.max or v1's cpu.cfs_quota_us / cpu.cfs_period_us;
+    None when there is no quota (or no cgroup file to read)."""
+    base = Path(root)
+    try:
+        quota, period = (base / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((base / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((base / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask (a Slurm task's or taskset's share,
+    else os.cpu_count()), lowered to a container's CPU quota (`cgroup_cpus`, rounded up)."""
+    import math
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpus()
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def check_cores(nproc: int, device: str = "cpu", cores: int | None = None,
+                flag: str = "--nproc") -> str:
+    """"" when `nproc` ranks on this node fit its cores (at most QUIET_PER_CORE per core), a
+    one-line warning up to MAX_PER_CORE per core, ValueError (one line: the cores and the accepted
+    range) beyond. Every rank is a process of its own whatever the device, so `device` only
+    words the advice."""
+    cores = usable_cores() if cores is None else cores
+    most, quiet = MAX_PER_CORE * cores, QUIET_PER_CORE * cores
+    if nproc > most:
+        larger = ("use `zerolab whatif --world-size N` (one rank of a fake world of N) or more "
+                  "nodes (--nnodes)")
+        raise ValueError(f"{flag} {nproc} is more than {MAX_PER_CORE} ranks per CPU core: this "
+                         f"process may use {cores} core(s), so {flag} 1-{most} is accepted here "
+                         f"(1-{quiet} runs at full pace); for a larger world {larger}")
+    if nproc > quiet:
+        return (f"{flag} {nproc} puts {nproc / cores:.2g} ranks on each of the {cores} CPU "
+                f"core(s): it runs, slowly (starting each rank takes ~{START_PER_RANK:g} s of a "
+                f"core); {flag} 1-{quiet} runs at full pace" +
+                (" (the bytes are the same at any pace)" if device == "cpu" else ""))
+    return ""
+
+
 # --- the children import what this process imported -------------------------------------------
 #: Python 3.11+ has PYTHONSAFEPATH: `python -m` and `python -c` then leave the current folder off
 #: sys.path (on 3.10 it stays first, and `child_env` refuses a folder that would shadow a module)
