@@ -92,6 +92,14 @@ def clone_parent(d: Path) -> Path:
     return d
 
 
+def checkout_root(d: Path) -> Path:
+    """The root of a checkout other than the installed one (a second clone)."""
+    (d / "zerolab").mkdir(parents=True)
+    (d / "zerolab" / "__init__.py").write_text("")
+    (d / "pyproject.toml").write_text('[project]\nname = "zerolab"\n')
+    return d
+
+
 # --- 1. the folder a command is typed in -----------------------------------------------------
 @pytest.fixture(scope="module")
 def beside_the_clone(tmp_path_factory):
@@ -136,6 +144,7 @@ FOLDERS = {        # a folder's entries -> the module names to ask Python about
     "the clone's parent": (clone_parent, ["zerolab"]),
     "a learner's torch.py": (lambda d: (d / "torch.py").write_text("x = 1\n"), ["torch"]),
     "a stray zerolab.py": (lambda d: (d / "zerolab.py").write_text("x = 1\n"), ["zerolab"]),
+    "another checkout's root": (lambda d: checkout_root(d), ["zerolab"]),
     "a scratch random.py": (lambda d: (d / "random.py").write_text("x = 1\n"), ["random"]),
     "notes and data only": (lambda d: ((d / "notes.txt").write_text("mine"),
                                        (d / "data").mkdir()), ["notes", "data"]),
@@ -157,6 +166,8 @@ def test_doctor_names_the_entry_that_shadows_a_module_and_the_fix(case, tmp_path
             assert f"zerolab is found at {INSTALLED}" in line, line
     if case == "the clone's parent" and shadowed:
         assert f"cd {here / 'zerolab'} (the checkout's root" in line, line
+    if case == "another checkout's root" and shadowed:
+        assert f"pip install -e {here} to use this checkout" in line, line
 
 
 @pytest.mark.timeout(200)

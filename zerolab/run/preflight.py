@@ -377,8 +377,14 @@ def shadow_line(shadows, folder, launching: bool = False) -> str:
         return f"{p.name}/" + ("" if (p / "__init__.py").exists() else " (no __init__.py)")
     name, _, where = next((s for s in shadows if s[0] == "zerolab"), shadows[0])
     checkout = next((p for _, p, _ in shadows if (p / "zerolab" / "__init__.py").is_file()), None)
-    fix = (f"cd {checkout} (the checkout's root, where the README's commands run)" if checkout
-           else "cd to another folder, or rename " + ("it" if len(shadows) == 1 else "them"))
+    other = next((p for n, p, _ in shadows if n == "zerolab" and (p / "__init__.py").is_file()
+                  and (p.parent / "pyproject.toml").is_file()), None)
+    if checkout:
+        fix = f"cd {checkout} (the checkout's root, where the README's commands run)"
+    elif other:                             # the root of a checkout that is not the one installed
+        fix = f"pip install -e {other.parent} to use this checkout, or cd to another folder"
+    else:
+        fix = "cd to another folder, or rename " + ("it" if len(shadows) == 1 else "them")
     who = ("a launch's processes would import" if launching else
            "`python -m`, `python -c` and kernels started here import")
     line = (f"the current folder {folder} holds {', '.join(kind(p) for _, p, _ in shadows)}, which "
