@@ -26,6 +26,10 @@ tests/test_checkpoint.py::test_two_launchers_form_one_world_of_four (two launche
 static rendezvous, the same losses and bytes as --nproc 4) and its sibling
 test_when_one_launcher_dies_the_other_exits_with_a_clear_line; both run on loopback.
 
+The batch script `zerolab slurm --print-script` writes is run twice from a submit folder that
+would shadow a module (a learner's torch.py, the checkout `zerolab/`): by bash with a stand-in
+for srun (always), and submitted to the one-node cluster with sbatch (12 s measured).
+
 Skipped when Slurm or munge is missing and cannot be installed, unless ZEROLAB_REQUIRE_SLURM=1
 (set by .ci/run): then it fails instead.
 """
@@ -423,3 +427,27 @@ def test_sbatch_run_equals_a_plain_run_byte_for_byte(cluster, tmp_path):
         assert b == a
     a, b = (_members(tmp_path / d / "stage3" / "params.pt") for d in ("plain", "slurm"))
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+
+
+@pytest.mark.timeout(400)
+def test_the_printed_script_runs_under_sbatch_from_the_clones_parent(cluster, tmp_path):
+    """`zerolab slurm --print-script` for one node, submitted with sbatch (its #SBATCH lines read
+    by Slurm; CPUs and output overridden on sbatch's command line, as the script's comment says)
+    from a folder that holds the checkout `zerolab/` and a learner's torch.py, with no
+    PYTHONPATH or PYTHONSAFEPATH in the submitting shell: the job trains with this zerolab."""
+    submit = tmp_path / "submit"
+    (submit / "zerolab" / "zerolab").mkdir(parents=True)
+    (submit / "torch.py").write_text("raise ImportError('the torch.py of the submit folder')\n")
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm.sbatch_script(["train", "--preset", "nano", "--steps", "2",
+                                           "--nproc", "2", "--timeout", "150"], nodes=1))
+    env = {k: v for k, v in cluster.env.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    job_out = tmp_path / "job.out"
+    res = cluster.run("sbatch", "--wait", "--cpus-per-task=2", "--time=5", f"--output={job_out}",
+                      f"--chdir={submit}", str(script), "--out", str(tmp_path / "out"),
+                      env=env, timeout=300)
+    log = job_out.read_text() if job_out.exists() else "(no job output)"
+    assert res.returncode == 0, f"{res.stdout}{res.stderr}\n{log}\n{cluster.logs()}"
+    assert "zerolab slurm: task 0 of 1" in log, log
+    ranks = [json.loads((tmp_path / "out" / "stage0" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(len(r["losses"]) == 2 for r in ranks)
