@@ -139,6 +139,26 @@ def test_on_python_310_a_shadowing_folder_is_refused_in_one_line(tmp_path, monke
     assert "cd to another folder" in line and not marker.exists()
 
 
+@pytest.mark.timeout(60)
+def test_the_rendezvous_probe_recognises_a_store_from_a_folder_holding_torch_py(tmp_path,
+                                                                               monkeypatch):
+    """Another process a launch starts: the probe that tells a torch rendezvous store from
+    another program on --rdzv-endpoint's port (a `python -c` that imports torch). Typed in a
+    folder holding a learner's torch.py, a real store is still recognised (before: the probe
+    imported torch.py, failed, and the endpoint was refused as held by another program)."""
+    import datetime
+
+    import torch.distributed as dist
+    from zerolab.course.testing import free_port
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    (tmp_path / "torch.py").write_text("raise ImportError('the torch.py of the current folder')\n")
+    monkeypatch.chdir(tmp_path)
+    assert preflight.check_rdzv_endpoint(f"127.0.0.1:{port}", probe_seconds=20) == ("127.0.0.1", port)
+    del store
+
+
 # --- `zerolab doctor` names what shadows what --------------------------------------------------
 FOLDERS = {        # a folder's entries -> the module names to ask Python about
     "the clone's parent": (clone_parent, ["zerolab"]),

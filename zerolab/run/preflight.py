@@ -84,15 +84,14 @@ def check_rdzv_endpoint(endpoint: str, probe_seconds: float = 2.0) -> tuple[str,
 def _is_rendezvous_store(host: str, port: int, seconds: float) -> bool:
     """Whether a TCPStore client can set and get a key at host:port within `seconds` (after
     importing torch). Run in a child process that is killed then: against a listener that is not a
-    store, the client's handshake waits without honouring its own timeout."""
-    import subprocess
-    import sys
+    store, the client's handshake waits without honouring its own timeout. The child imports
+    this torch and zerolab wherever it starts (`child_env`: a torch.py here is not taken)."""
     code = ("import datetime, sys, torch.distributed as d; print('ready', flush=True); "
             f"s = d.TCPStore({host!r}, {port}, is_master=False, "
             f"timeout=datetime.timedelta(seconds={seconds})); "
             "s.set('zerolab_probe', '1'); sys.exit(0 if s.get('zerolab_probe') == b'1' else 1)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True, env=child_env(os.environ))
     try:
         proc.stdout.readline()              # torch imported: now the probe itself
         return proc.wait(timeout=seconds) == 0
