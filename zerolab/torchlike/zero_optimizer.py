@@ -18,7 +18,7 @@ gives the whole state in torch's per-parameter layout (each parameter's pieces j
 """
 from __future__ import annotations
 
-import pickle
+import io
 
 import torch
 
@@ -158,7 +158,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         returns the whole (torch's layout: each parameter's state tensors whole, as one torch
         optimizer over all the parameters holds them; fp32 for low-precision weights, the
         masters'). A collective: call it on every rank. Each rank's state travels as torch's
-        does (a broadcast of its size, then of its pickled bytes; ledger phase "eval", what
+        does (a broadcast of its size, then of its torch.save bytes; ledger phase "eval", what
         "optim_state")."""
         if not (isinstance(to, int) and 0 <= to < self.comm.world_size):
             raise ValueError(f"to={to!r} is not a rank of this group (0 .. "
@@ -179,7 +179,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
                 self.comm.broadcast(data, r, what="optim_state", unit=f"rank{r}")
                 if self.comm.rank == to:
-                    states.append(pickle.loads(data.cpu().numpy().tobytes()))
+                    states.append(torch.load(io.BytesIO(data.cpu().numpy().tobytes()),
+                                             weights_only=True))
         self._consolidated = self._whole(states) if self.comm.rank == to else None
 
     def _layout(self, rank):
@@ -252,10 +253,13 @@ WIDE = (torch.float32, torch.float64)      # stepped in place; narrower weights 
 
 
 def _to_bytes(obj, device) -> torch.Tensor:
-    """`obj` pickled (its tensors on the CPU) as a uint8 tensor on `device`."""
+    """`obj` saved by torch.save (its tensors on the CPU) as a uint8 tensor on `device`; read
+    back with torch.load(weights_only=True): tensors and plain values only, never code."""
     cpu = {j: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
            for j, s in obj.items()}
-    return torch.frombuffer(bytearray(pickle.dumps(cpu)), dtype=torch.uint8).to(device)
+    buf = io.BytesIO()
+    torch.save(cpu, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
 
 
 def _verify_params(params):
