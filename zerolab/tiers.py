@@ -12,8 +12,10 @@ tagged with its tier. From them:
 - hybrid sharding (`zerolab.hybrid`): HSDP shards over `intra` and all_reduces each gradient shard
   over `inter`; hpZ gathers the backward's weights over `intra` from a secondary shard.
 
-`hybrid_traffic_bytes` and `hybrid_state_bytes` are their per-rank bytes by tier, the formulas the
-ledger is held to (tests/test_hybrid.py). The time of each tier is the cost model's
+`hybrid_traffic_bytes` and `hybrid_state_bytes` are their per-rank bytes by group, the formulas the
+ledger is held to (tests/test_hybrid.py); `hybrid_link_bytes` turns them into bytes per NIC and
+per GPU on the intra link, with NCCL's one ring per NIC (a flat ring sends 1/k of a GPU's ring
+bytes over the node's NICs). The time of each tier is the cost model's
 (`zerolab.timing.collectives`: flat_leg, hierarchical_all_reduce) and the emulator's
 (`zerolab.timing.linkemu.TieredLinkEmulator`).
 
@@ -118,7 +120,10 @@ def hybrid_traffic_bytes(psi: float, world_size: int, ranks_per_node: int, kind:
         hpz     world: all_gather (forward) A(N-1)/N·P, reduce_scatter R(N-1)/N·G;
                 intra: all_gather (backward, from the secondary shards) A(k-1)/k·P
 
-    ValueError for an unknown kind or k not dividing N."""
+    HSDP's inter bytes, 2(m-1)/m·G/k = 2G(N-k)/(kN) a rank, are a ring's count (the ledger meets
+    them exactly); the FSDP paper's 2M(W-1)/(GW) for hybrid sharding's cross-host traffic
+    (M = G, W = N, its G = k) is larger: 0.4375·G against 0.25·G at N = 8, k = 4 (notebook 13
+    runs the ledger). ValueError for an unknown kind or k not dividing N."""
     n = theory.check_world_size(world_size)
     k, m = _node_split(n, ranks_per_node)
     per = theory.bytes_per_param(precision, grad_dtype)
@@ -134,6 +139,31 @@ def hybrid_traffic_bytes(psi: float, world_size: int, ranks_per_node: int, kind:
         return {"world": {"all_gather": a * ag(n) * p, "reduce_scatter": r * rs(n) * g},
                 "intra": {"all_gather": a * ag(k) * p}}
     raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+
+
+def hybrid_link_bytes(psi: float, world_size: int, ranks_per_node: int, kind: str = "zero3",
+                      nics_per_node: int | None = None, **traffic) -> dict[str, float]:
+    """Bytes a step of `kind` puts on each NIC of a node ("nic") and on each GPU's intra link
+    ("intra", the mean over a node's GPUs), from `hybrid_traffic_bytes` (its keywords pass
+    through). c: `nics_per_node` (None: one per GPU, c = k), of which min(c, k) carry traffic
+    (a GPU drives at most one NIC's worth: hardware.Topology.nic_share).
+
+    A flat ring through m > 1 nodes: NCCL runs one ring per NIC, each leaving a node once, so of
+    a GPU's ring bytes W a node sends k·W/k = W across, spread over its NICs, and each GPU W·(k-1)/k
+    inside. A group of one rank per node (HSDP's inter all_reduce, E a rank): all of it crosses,
+    k·E a node. Intra groups (I a rank) stay inside. So per NIC (W + k·E)/min(c, k), per GPU
+    inside (k-1)/k·W + I. One node (m = 1): nothing crosses. ValueError as hybrid_traffic_bytes,
+    or for c < 1."""
+    from .timing.hardware import check_nics_per_node
+    n = theory.check_world_size(world_size)
+    k, m = _node_split(n, ranks_per_node)
+    c = check_nics_per_node(nics_per_node, "nics_per_node") or k
+    by = {g: sum(ops.values()) for g, ops in
+          hybrid_traffic_bytes(psi, n, k, kind, **traffic).items()}
+    w, i, e = by.get("world", 0.0), by.get("intra", 0.0), by.get("inter", 0.0)
+    if m == 1:
+        return {"nic": 0.0, "intra": w + i}
+    return {"nic": (w + k * e) / min(c, k), "intra": (k - 1) / k * w + i}
 
 
 def hybrid_state_bytes(psi: float, world_size: int, ranks_per_node: int, kind: str = "zero3",

@@ -10,25 +10,30 @@ over the link bandwidth β (nccl-tests, scaling-book; `collective_time`):
 
 (and NCCL's tree all_reduce, 2·⌈log2 n⌉·α + 2·S/β: costmodel's docstring says when).
 
-Two tiers (a `hardware.Topology`: nodes of k ranks, an intra link inside a node, an inter link
-between nodes, each rank its own share of both). A collective is timed by the tiers its group's
-ring crosses: inside one node, the formulas above on the intra link; through several nodes the
-ring runs in lock-step and each step waits for its slowest hop, so a flat ring pays the slow tier
-on every step (`flat_leg`):
+Two tiers (a `hardware.Topology`: nodes of k ranks, an intra link per GPU inside a node, c
+NICs per node on the inter link between nodes; default c = k, one NIC per GPU as on HGX / DGX
+nodes). A collective is timed by the tiers its group crosses. Inside one node: the formulas
+above on the intra link. Through several nodes NCCL runs one ring per NIC, each leaving a node
+through its own NIC, so a GPU puts 1/k of its ring bytes on a NIC and (k-1)/k on NVLink and the
+ring is as fast as the node's NICs together (`flat_leg`; NVIDIA/nccl#569, #687, #412):
 
-    flat all_reduce over n ranks on m > 1 nodes    2(n-1) · (α_inter + S/(n·β_inter))
+    flat all_reduce over n ranks, k per node, c = k NICs
+        2(n-1)·α_inter + 2(n-1)/n · S · max(1/(k·β_nic), (k-1)/(k·β_intra))
 
-A hierarchical all_reduce pays each tier for its own part (`hierarchical_all_reduce`; k ranks
-per node, m nodes):
+With one NIC per node (c = 1) this is the one-tier ring on the NIC, 2(n-1)·(α_inter +
+S/(n·β_nic)): the single-NIC case. A hierarchical all_reduce pays each tier for its own part
+(`hierarchical_all_reduce`; k ranks per node, m nodes, each rank's own NIC share):
 
     reduce_scatter inside the node      (k-1) · (α_intra + S/(k·β_intra))
-    all_reduce of S/k across nodes      2(m-1) · (α_inter + S/(k·m·β_inter))
+    all_reduce of S/k across nodes      2(m-1) · (α_inter + S/(k·m·β_nic))
     all_gather inside the node          (k-1) · (α_intra + S/(k·β_intra))
 
-so the slow tier carries 2(m-1)/m · S/k per rank instead of 2(n-1)/n · S. `tier_bytes` says how
-many bytes a rank sends over each tier. In a replayed step each tier's link serves its legs in
-issue order (`Clocks`, as `linkemu.TieredLinkEmulator` does); a flat ring through several nodes
-keeps both busy.
+so a NIC carries 2(m-1)/m · S/k instead of a flat ring's 2(n-1)/n · S/k - hardly fewer bytes;
+what it changes is the latency, 2(m-1) inter steps instead of 2(n-1). NCCL's own tree
+all_reduce is hierarchical too (chains inside a node, a tree across nodes: `flat_leg` with
+algorithm "tree"). `tier_bytes` says how many bytes a rank sends over each tier. In a replayed
+step each tier's link serves its legs in issue order (`Clocks`, as `linkemu.TieredLinkEmulator`
+does); a flat ring through several nodes keeps both busy.
 
 Times are seconds, sizes bytes. `costmodel` re-exports everything here and replays a step with it.
 """
@@ -98,20 +103,90 @@ class Leg:
     uses: tuple = ()
 
 
-def flat_leg(op: str, size_bytes: float, ranks, topology: Topology, algorithm: str = "ring") -> Leg:
-    """A collective on the group `ranks` (global ranks in ring order, n of them) as one ring.
+def _per_node(ranks, topology: Topology) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for r in ranks:
+        counts[topology.node(r)] = counts.get(topology.node(r), 0) + 1
+    return counts
 
-    Inside one node every hop is intra: the one-tier time on the intra link. A ring through
-    several nodes has hops of both tiers and runs in lock-step, so each of its steps waits for its
-    slowest hop: for a ring all_reduce 2(n-1)·max_l(α_l + S/(n·β_l)), the longer of its one-tier
-    times on the two links - the inter link's, 2(n-1)·(α_inter + S/(n·β_inter)), for every
-    profile pair of hardware.py. The leg is paid at that tier and keeps both links busy. A group
-    with one rank per node has inter hops only. algorithm: as `collective_time`."""
+
+def nic_link(topology: Topology, per_node: int = 1) -> Link:
+    """The NIC bandwidth a ring with `per_node` of its ranks in each node has there: those
+    GPUs' NIC shares together, per_node · min(c, k)/k NICs (`Topology.nic_share`), at the inter
+    link's α. One NIC's worth: the inter Link itself."""
+    nics = per_node * topology.nic_share
+    if nics == 1:
+        return topology.inter
+    return Link(f"{topology.inter.name} x {nics:g} NICs", topology.inter.bandwidth * nics,
+                topology.inter.latency, topology.inter.source)
+
+
+def nvlink_share(topology: Topology, per_node: int) -> float:
+    """The share u of a GPU's ring bytes that a flat ring through several nodes sends over the
+    intra link from the busiest GPU: NCCL runs one ring per NIC and each leaves a node through
+    its own NIC, from a different GPU; with a NIC per GPU (min(c, k) = k) every GPU is the exit
+    of 1/g of the rings and forwards (g-1)/g on NVLink; with fewer NICs some GPU exits none and
+    forwards all of it (u = 1). g: the ring's ranks per node (0 when it has one: no intra hop)."""
+    if per_node <= 1:
+        return 0.0
+    return (per_node - 1) / per_node if topology.nic_share == 1 else 1.0
+
+
+def flat_leg(op: str, size_bytes: float, ranks, topology: Topology, algorithm: str = "ring") -> Leg:
+    """A collective on the group `ranks` (global ranks, n of them, g in each of m nodes) as
+    NCCL runs it on a flat group.
+
+    Inside one node every hop is intra: the one-tier time on the intra link. Through several
+    nodes NCCL runs one ring per NIC (channels), each entering and leaving a node through its
+    own NIC and crossing the intra link in between (NVIDIA/nccl#687, #412). A GPU then puts
+    1/g of its ring bytes on its NIC and (g-1)/g on the intra link, the rings run side by
+    side, and the ring is as fast as the node's NICs together (`nic_link`: g · min(c, k)/k
+    NICs) or its intra link, whichever is slower; each ring step still waits for its slowest
+    hop's α:
+
+        ring    max( steps·α_inter + R·S / (g·s·β_nic),  steps·α_intra + R·S·u / β_intra )
+
+    R·S the ring bytes per rank (2(n-1)/n·S for all_reduce), s = min(c, k)/k the NIC share of
+    a GPU, u = (g-1)/g with a NIC per GPU, else 1 (`nvlink_share`). With a NIC per GPU and g =
+    k this is 2(n-1)/n·S·max(1/(k·β_nic), (k-1)/(k·β_nvlink)) for an all_reduce's bandwidth
+    term; with one NIC per node (c = 1) it is the one-tier ring on the slower link, 2(n-1)·(α +
+    S/(n·β_nic)). A group with one rank per node has NIC hops only, at its rank's NIC share.
+
+    NCCL's tree all_reduce (algorithm "tree") is hierarchical (NVIDIA/nccl#545, #548): a chain
+    through each node's g ranks, a double binary tree across the m nodes, each rank sending
+    about 2S (up and down) and a node's NICs 2S in all:
+
+        tree    2·⌈log2 m⌉·α_inter + 2(g-1)·α_intra + 2S·max(1/(g·s·β_nic), 1/β_intra)
+
+    "auto": the cheaper of the two for an all_reduce. reduce_scatter and all_gather are rings
+    under every algorithm. The leg is paid at the tier whose term is the longer (a tie: inter)
+    and keeps both links busy (`uses`: the tiers it has hops on)."""
     ranks = list(ranks)
-    n, hops = len(ranks), topology.hop_tiers(ranks)
-    times = {t: collective_time(op, size_bytes, n, topology.link(t), algorithm) for t in hops}
-    tier = max(reversed(hops), key=times.get) if hops else "intra"     # a tie: inter
-    return Leg(op, tier, n, size_bytes, times.get(tier, 0.0), hops)
+    steps = ring_steps(op, len(ranks))
+    check_algorithm(algorithm)
+    n, per_node = len(ranks), _per_node(ranks, topology)
+    if n < 2:
+        return Leg(op, "intra", n, size_bytes, 0.0, ())
+    if len(per_node) == 1:
+        return Leg(op, "intra", n, size_bytes,
+                   collective_time(op, size_bytes, n, topology.intra, algorithm), ("intra",))
+    m, g, big = len(per_node), min(per_node.values()), max(per_node.values())
+    nic, intra, u = nic_link(topology, g), topology.intra, nvlink_share(topology, big)
+    uses = ("intra", "inter") if big > 1 else ("inter",)
+    ring = {"inter": steps * nic.latency + theory.RING_FACTOR[op](n) * size_bytes / nic.bandwidth}
+    if u:
+        ring["intra"] = steps * intra.latency + theory.RING_FACTOR[op](n) * size_bytes * u / intra.bandwidth
+    best = max(("intra", "inter"), key=lambda t: (ring.get(t, -1.0), t == "inter"))
+    if op != "all_reduce" or algorithm == "ring":
+        return Leg(op, best, n, size_bytes, ring[best], uses)
+    chain = 2 * (big - 1) * intra.latency
+    over = {"inter": 2 * size_bytes / nic.bandwidth,
+            "intra": 2 * size_bytes / intra.bandwidth if big > 1 else -1.0}
+    tree_tier = max(("intra", "inter"), key=lambda t: (over[t], t == "inter"))
+    tree = tree_steps(m) * nic.latency + chain + over[tree_tier]
+    if algorithm == "tree" or tree < ring[best]:
+        return Leg(op, tree_tier, n, size_bytes, tree, uses)
+    return Leg(op, best, n, size_bytes, ring[best], uses)
 
 
 def hierarchical_all_reduce(size_bytes: float, ranks, topology: Topology,
@@ -119,29 +194,28 @@ def hierarchical_all_reduce(size_bytes: float, ranks, topology: Topology,
     """An all_reduce of S bytes over `ranks` in three legs, each on its own tier:
 
         reduce_scatter inside each node     (g-1)·α_intra + (g-1)/g · S/β_intra
-        all_reduce of S/g across nodes      2(m-1)·α_inter + 2(m-1)/m · (S/g)/β_inter
+        all_reduce of S/g across nodes      2(m-1)·α_inter + 2(m-1)/m · (S/g)/(s·β_nic)
         all_gather inside each node         (g-1)·α_intra + (g-1)/g · S/β_intra
 
-    g: the group's ranks per node, m: its nodes. The g chunks cross nodes in parallel, each over
-    its own rank's share of the inter link, so the slow tier carries S/g per rank instead of S.
-    One node (m = 1) or one rank per node (g = 1): the single flat leg. algorithm: how the
-    inter-node all_reduce is modelled (`collective_time`). ValueError unless every node of the
-    group holds the same number of its ranks."""
+    g: the group's ranks per node, m: its nodes, s = min(c, k)/k the NIC share of a GPU (1 with
+    a NIC per GPU: the g chunks cross nodes in parallel, each through its own rank's NIC). The
+    slow tier carries S/g per rank instead of S. One node (m = 1) or one rank per node (g = 1):
+    the single flat leg. algorithm: how the inter-node all_reduce is modelled (`flat_leg` with
+    one rank per node). ValueError unless every node of the group holds the same number of its
+    ranks."""
     ranks = list(ranks)
-    per_node: dict[int, int] = {}
-    for r in ranks:
-        per_node[topology.node(r)] = per_node.get(topology.node(r), 0) + 1
+    per_node = _per_node(ranks, topology)
     g, m = (per_node[min(per_node)] if per_node else 1), len(per_node)
     if any(c != g for c in per_node.values()):
         raise ValueError(f"a hierarchical all_reduce needs the same number of ranks in every node; "
                          f"ranks {ranks} hold {sorted(per_node.values())} per node")
     if m <= 1 or g == 1:
         return [flat_leg("all_reduce", size_bytes, ranks, topology, algorithm)]
-    intra, inter = topology.intra, topology.inter
-    inside = collective_time("reduce_scatter", size_bytes, g, intra)
+    inside = collective_time("reduce_scatter", size_bytes, g, topology.intra)
+    heads = [next(r for r in ranks if topology.node(r) == nd) for nd in sorted(per_node)]
+    across = flat_leg("all_reduce", size_bytes / g, heads, topology, algorithm)
     return [Leg("reduce_scatter", "intra", g, size_bytes, inside, ("intra",)),
-            Leg("all_reduce", "inter", m, size_bytes / g,
-                collective_time("all_reduce", size_bytes / g, m, inter, algorithm), ("inter",)),
+            Leg("all_reduce", "inter", m, size_bytes / g, across.seconds, ("inter",)),
             Leg("all_gather", "intra", g, size_bytes, inside, ("intra",))]
 
 
@@ -153,19 +227,27 @@ def legs(op: str, size_bytes: float, n: int, network: Link | Topology, algorithm
     if isinstance(network, Topology):
         if hierarchical and op == "all_reduce":
             return hierarchical_all_reduce(size_bytes, range(n), network, algorithm)
-        ring_steps(op, n)                       # ValueError for an unknown op or a bad n
         return [flat_leg(op, size_bytes, range(n), network, algorithm)]
     return [Leg(op, "link", n, size_bytes, collective_time(op, size_bytes, n, network, algorithm),
                 ("link",))]
 
 
 def flat_link(network: Link | Topology, n: int) -> Link:
-    """The link a flat ring on the first n ranks is bandwidth-bound by: the Link itself, or the
-    slower (smaller β) of the tiers the ring has hops on."""
+    """The one link a flat ring on the first n ranks of `network` runs as fast as: the Link
+    itself; on a Topology inside one node the intra link, else the slower of the node's NICs
+    together (`nic_link`) and the intra link at 1/u (`flat_leg`), at that tier's α (one NIC's
+    worth: the inter Link itself). Its bandwidth is the ring's bus bandwidth."""
     if not isinstance(network, Topology):
         return network
-    hops = network.hop_tiers(range(n)) or ("intra",)
-    return min((network.link(t) for t in hops), key=lambda link: link.bandwidth)
+    per_node = _per_node(range(n), network)
+    if len(per_node) <= 1:
+        return network.intra
+    g, big = min(per_node.values()), max(per_node.values())
+    nic, u = nic_link(network, g), nvlink_share(network, big)
+    if not u or nic.bandwidth <= network.intra.bandwidth / u:
+        return nic
+    return Link(f"{network.intra.name} at 1/{u:.3g} of its bandwidth", network.intra.bandwidth / u,
+                network.intra.latency, network.intra.source)
 
 
 def tier_bytes(op: str, size_bytes: float, ranks, topology: Topology, rank: int | None = None,
@@ -175,12 +257,15 @@ def tier_bytes(op: str, size_bytes: float, ranks, topology: Topology, rank: int 
     (`theory.RING_FACTOR`: 2(n-1)/n·S for all_reduce, (n-1)/n·S for reduce_scatter / all_gather,
     S for broadcast).
 
-    Flat ring: a rank sends all its ring bytes to its successor, so they go on the tier of that
-    one hop: intra for most ranks, inter for the last rank of each node in the group. rank: a
-    global rank of the group; None: the mean over the group's ranks (inter: hops crossing nodes
-    / n of the ring bytes). hierarchical (all_reduce only): every rank sends 2(g-1)/g·S inside
-    its node and 2(m-1)/m·S/g across nodes (`hierarchical_all_reduce`). ValueError for an op
-    other than all_reduce with hierarchical, or a rank outside the group."""
+    Flat ring through several nodes, a NIC per GPU (`Topology.nic_share` 1): one ring per NIC,
+    each leaving a node from a different GPU, so every rank sends 1/g of its ring bytes over
+    its NIC and (g-1)/g inside its node (g: the group's ranks in that node). Fewer NICs than
+    GPUs: the one ring's picture - a rank sends all its ring bytes to its successor, on the
+    tier of that hop (inter for the last rank of each node in the group). rank: a global rank
+    of the group; None: the mean over the group's ranks (inter: hops crossing nodes / n of the
+    ring bytes, the same in both pictures). hierarchical (all_reduce only): every rank sends
+    2(g-1)/g·S inside its node and 2(m-1)/m·S/g across nodes (`hierarchical_all_reduce`).
+    ValueError for an op other than all_reduce with hierarchical, or a rank outside the group."""
     ranks = list(ranks)
     n = len(ranks)
     out = {t: 0.0 for t in TIERS}
@@ -194,6 +279,10 @@ def tier_bytes(op: str, size_bytes: float, ranks, topology: Topology, rank: int 
     nxt = dict(zip(ranks, ranks[1:] + ranks[:1]))
     if rank is not None and rank not in nxt:
         raise ValueError(f"rank {rank} is not in the group {ranks}")
+    per_node = _per_node(ranks, topology)
+    if rank is not None and len(per_node) > 1 and topology.nic_share == 1:
+        g = per_node[topology.node(rank)]
+        return {"intra": ring * (g - 1) / g, "inter": ring / g}
     senders = [rank] if rank is not None else ranks
     for r in senders:
         if n > 1:

@@ -17,10 +17,12 @@ cheaper of the two). NCCL's tree exists for all_reduce only (NVIDIA/nccl#1473): 
 all_gather stay ring here under every algorithm. Not modelled: NCCL's PAT (2.23+, logarithmic
 reduce_scatter / all_gather, one GPU per node only), NVLS / CollNet (in-switch reductions).
 
-Two tiers (a `hardware.Topology`: nodes of k ranks, an intra and an inter link): a collective
-is timed by the tiers its group's ring crosses, and a hierarchical all_reduce pays each tier for
-its own part - the formulas are in `collectives.py` (with the one-tier ones above, re-exported
-here); `step_time` replays a step on either network.
+Two tiers (a `hardware.Topology`: nodes of k ranks with c NICs each, an intra link per GPU and
+an inter link per NIC): a collective is timed by the tiers its group crosses - a flat ring
+through several nodes runs one ring per NIC, as fast as the node's NICs together, and NCCL's
+tree is a chain inside each node and a tree across nodes -, and a hierarchical all_reduce pays
+each tier for its own part - the formulas are in `collectives.py` (with the one-tier ones above,
+re-exported here); `step_time` replays a step on either network.
 
 Compute (`flops.py`, re-exported here): (6Ψ + 12·L·d·T) FLOPs per token, attention included,
 over the FLOP/s training really reaches, the device's peak x MFU (default 0.4, what large runs
@@ -58,7 +60,7 @@ from .flops import (MFU, MFU_SOURCE, check_mfu, compute_time,  # noqa: F401 (cos
                     flops_per_token, shape_from_params)
 from .collectives import (ALGORITHMS, OPS, Clocks, Leg, check_algorithm,  # noqa: F401 (re-exported)
                           collective_time, flat_leg, flat_link, hierarchical_all_reduce, legs,
-                          ring_steps, tier_bytes, tree_steps)
+                          nic_link, nvlink_share, ring_steps, tier_bytes, tree_steps)
 from ..compose import TAKES
 from ..hybrid import HYBRIDS
 from ..placement import GATHER_MODES
@@ -299,7 +301,8 @@ def zero3_comm_bound_tokens(block_params: float, world_size: int, link: Link | T
     tokens) adds compute and lowers T*. Returns T* in tokens (0 for n = 1). Source: the module
     docstring; scaling-book's "when is FSDP communication-bound" uses the same ratio of FLOP/s to
     bandwidth. The all_gather is a ring under every algorithm (NCCL has no tree all_gather). On a
-    Topology it is the flat ring over all world_size ranks (`flat_leg`: the slower tier's time).
+    Topology it is the flat ring over all world_size ranks (`flat_leg`): one ring per NIC, so β
+    is the node's NICs together (8 x 50 GB/s on 8-GPU 8-NIC NDR nodes), not one NIC's.
     """
     check_mfu(mfu)
     w = theory.bytes_per_param(precision)["params"]
@@ -312,22 +315,29 @@ def zero3_comm_bound_tokens(block_params: float, world_size: int, link: Link | T
 def latency_note(world_size: int, link: Link | Topology, algorithm: str = "ring") -> str:
     """One line: which algorithm the collectives are modelled with, and at this N what a ring
     all_reduce's latency costs against NCCL's tree (`collective_time`; on a Topology, at the α of
-    the link a flat ring over all N ranks is bound by, `flat_link`)."""
+    the link a flat ring over all N ranks is bound by, `flat_link`, and NCCL's hierarchical tree:
+    a chain through a node's k ranks, a tree across the m nodes, `flat_leg`)."""
     n = theory.check_world_size(world_size)
     check_algorithm(algorithm)
-    link = flat_link(link, n)
     if n <= 2:
         return "collectives: ring (at N <= 2 a tree all_reduce has as many steps)"
-    ms = (lambda steps: f"{steps * link.latency * 1e3:.3g} ms")
-    ring, tree, rs = ms(ring_steps("all_reduce", n)), ms(tree_steps(n)), ms(n - 1)
+    ms = (lambda seconds: f"{seconds * 1e3:.3g} ms")
+    flat = flat_link(link, n)
+    ring, rs = ms(ring_steps("all_reduce", n) * flat.latency), ms((n - 1) * flat.latency)
+    if isinstance(link, Topology) and n > link.ranks_per_node:
+        k, m = link.ranks_per_node, -(-n // link.ranks_per_node)
+        tree = ms(tree_steps(m) * link.inter.latency + 2 * (k - 1) * link.intra.latency)
+        tree_name = f"NCCL's tree 2·⌈log2 m⌉·α_inter + 2(k-1)·α_intra = {tree} (m = {m} nodes)"
+    else:
+        tree = ms(tree_steps(n) * flat.latency)
+        tree_name = f"NCCL's tree 2·⌈log2 n⌉·α = {tree}"
     if algorithm == "ring":
         return (f"collectives: ring. At N = {n} a ring all_reduce pays 2(n-1)·α = {ring} of latency, "
-                f"NCCL's tree 2·⌈log2 n⌉·α = {tree} (--algo auto takes the cheaper per all_reduce); "
+                f"{tree_name} (--algo auto takes the cheaper per all_reduce); "
                 f"reduce_scatter / all_gather are rings in NCCL too, (n-1)·α = {rs} each")
     how = "the cheaper of ring and tree" if algorithm == "auto" else "tree"
-    return (f"collectives: all_reduce by {how} (tree latency 2·⌈log2 n⌉·α = {tree}, ring's "
-            f"2(n-1)·α = {ring}); reduce_scatter / all_gather by ring, (n-1)·α = {rs} each "
-            "(NCCL has no tree for them)")
+    return (f"collectives: all_reduce by {how} ({tree_name}, ring's 2(n-1)·α = {ring}); "
+            f"reduce_scatter / all_gather by ring, (n-1)·α = {rs} each (NCCL has no tree for them)")
 
 
 # --- compute measured on this machine, to feed the replay ----------------------------------------

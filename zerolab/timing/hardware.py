@@ -5,17 +5,21 @@ and α (seconds per ring step) for the link, F (FLOP/s) for the device. Each nam
 carries the datasheet arithmetic it comes from (`source`); `get_link` / `get_device` build a
 custom one from Gb/s, microseconds or TFLOP/s, and name it custom.
 
-    get_link("ib-ndr").bandwidth          # 50e9 bytes/s: 400 Gb/s per port, one port per GPU
+    get_link("ib-ndr").bandwidth          # 50e9 bytes/s: one 400 Gb/s NIC port
     get_link("ib-ndr", gbps=200).name     # 'ib-ndr with a custom bandwidth'
     get_device("h100").flops              # 989e12 FLOP/s, bf16 dense
 
 Two tiers (`Topology`): ranks grouped into nodes of k consecutive ranks (rank r on node r // k),
 an intra-node link between the ranks of a node (NVLink, PCIe) and an inter-node link between
-nodes (InfiniBand, Ethernet), each given per rank per direction as above: every rank has its own
-share of the node's network (one NIC per GPU, as HGX / DGX nodes are built). `parse_link` reads
-a profile name or a custom GBPS[@LATENCY_US]; `get_topology` checks k against the world size.
+nodes (InfiniBand, Ethernet): `intra` per GPU per direction, `inter` per NIC per direction, and
+c NICs per node (`nics_per_node`; default one per GPU, c = k, as HGX / DGX nodes are built). NCCL
+runs one ring per NIC, each entering and leaving a node through its own NIC
+(`collectives.flat_leg`), so a GPU has a NIC share of min(c, k)/k (`Topology.nic_share`): one
+NIC with c = k, 1/k of one with c = 1. `parse_link` reads a profile name or a custom
+GBPS[@LATENCY_US]; `get_topology` checks k and c against the world size.
 
-    get_topology(8, "nvlink4", "ib-ndr", world_size=64)   # 8 nodes x 8 ranks
+    get_topology(8, "nvlink4", "ib-ndr", world_size=64)   # 8 nodes x 8 ranks, 8 NICs per node
+    get_topology(8, "nvlink4", "ib-hdr", 24, nics_per_node=4)   # nccl-tests#119: 8 A100, 4 HDR NICs
     get_topology(2, "1@20", "0.1@200", world_size=4)       # 2 x 2, slow links for gloo on a laptop
 """
 from __future__ import annotations
@@ -58,14 +62,14 @@ LINKS = {
                   "31.5 GB/s each way; " + _ALPHA),
     "pcie5": Link("pcie5", 63e9, 3e-6, "PCIe 5.0 x16: 32 GT/s x 16 lanes x 128/130 / 8 = "
                   "63 GB/s each way; " + _ALPHA),
-    "ib-ndr": Link("ib-ndr", 50e9, 5e-6, "InfiniBand NDR (ConnectX-7): 400 Gb/s per port, one "
-                   "port per GPU -> 50 GB/s each way; " + _ALPHA),
-    "ib-hdr": Link("ib-hdr", 25e9, 5e-6, "InfiniBand HDR (ConnectX-6): 200 Gb/s per port, one "
-                   "port per GPU -> 25 GB/s each way; " + _ALPHA),
+    "ib-ndr": Link("ib-ndr", 50e9, 5e-6, "InfiniBand NDR (ConnectX-7): 400 Gb/s per port -> 50 "
+                   "GB/s each way per NIC (DGX H100: 8 NICs, one per GPU); " + _ALPHA),
+    "ib-hdr": Link("ib-hdr", 25e9, 5e-6, "InfiniBand HDR (ConnectX-6): 200 Gb/s per port -> 25 "
+                   "GB/s each way per NIC (DGX A100: 8 NICs, one per GPU); " + _ALPHA),
     "400gbe": Link("400gbe", 50e9, 10e-6, "400 Gigabit Ethernet (e.g. RoCE v2 on ConnectX-7 / "
-                   "Spectrum-X), one port per GPU: 50 GB/s each way; " + _ALPHA),
-    "100gbe": Link("100gbe", 12.5e9, 20e-6, "100 Gigabit Ethernet: 12.5 GB/s each way; " + _ALPHA),
-    "25gbe": Link("25gbe", 3.125e9, 30e-6, "25 Gigabit Ethernet: 3.125 GB/s each way; " + _ALPHA),
+                   "Spectrum-X): 50 GB/s each way per NIC; " + _ALPHA),
+    "100gbe": Link("100gbe", 12.5e9, 20e-6, "100 Gigabit Ethernet: 12.5 GB/s each way per NIC; " + _ALPHA),
+    "25gbe": Link("25gbe", 3.125e9, 30e-6, "25 Gigabit Ethernet: 3.125 GB/s each way per NIC; " + _ALPHA),
 }
 
 DEVICES = {
@@ -145,10 +149,26 @@ def parse_link(spec: str, what: str = "link") -> Link:
 @dataclass(frozen=True)
 class Topology:
     """Ranks in nodes of `ranks_per_node` consecutive ranks (rank r on node r // k), linked by
-    `intra` inside a node and `inter` between nodes (each rank its own share of both)."""
+    `intra` inside a node (per GPU) and `inter` between nodes (per NIC), with `nics_per_node`
+    NICs in each node (None: one per GPU, c = k)."""
     ranks_per_node: int
     intra: Link
     inter: Link
+    nics_per_node: int | None = None
+
+    @property
+    def nics(self) -> int:
+        """c, the NICs of a node (`nics_per_node`, or k when not given)."""
+        return self.ranks_per_node if self.nics_per_node is None else self.nics_per_node
+
+    @property
+    def nic_share(self) -> float:
+        """The NIC bandwidth a GPU has, in NICs: min(c, k)/k. 1 with a NIC per GPU; 1/k with one
+        NIC per node; never more than 1: a GPU reaches the network through its own PCIe x16
+        link (63 GB/s on PCIe 5.0, about one 400 Gb/s NIC), so NICs beyond one per GPU do not
+        add to a GPU's share (nccl-tests#232: one H100 per node over 4 NICs, about one NIC's
+        bus bandwidth)."""
+        return min(self.nics, self.ranks_per_node) / self.ranks_per_node
 
     def node(self, rank: int) -> int:
         """The node of global rank `rank`: rank // ranks_per_node."""
@@ -159,7 +179,7 @@ class Topology:
         return sorted({self.node(r) for r in ranks})
 
     def link(self, tier: str) -> Link:
-        """The Link of a tier, "intra" or "inter"."""
+        """The Link of a tier, "intra" or "inter" (inter: one NIC's)."""
         if tier not in TIERS:
             raise ValueError(f"tier {tier!r} is not one of {', '.join(TIERS)}")
         return self.intra if tier == "intra" else self.inter
@@ -174,12 +194,13 @@ class Topology:
         return tuple(t for t, c in (("intra", False), ("inter", True)) if c in crossing)
 
     def describe(self, world_size: int | None = None) -> str:
-        """One line: nodes x ranks per node and the two links (GB/s per rank, us)."""
+        """One line: nodes x ranks per node, NICs per node and the two links (GB/s, us)."""
         shape = (f"{world_size // self.ranks_per_node} nodes x {self.ranks_per_node} ranks"
                  if world_size else f"{self.ranks_per_node} ranks per node")
-        return (f"{shape}; intra {self.intra.name} {self.intra.bandwidth / 1e9:.4g} GB/s, "
+        return (f"{shape}, {self.nics} NIC{'s' if self.nics > 1 else ''} per node; intra "
+                f"{self.intra.name} {self.intra.bandwidth / 1e9:.4g} GB/s, "
                 f"{self.intra.latency * 1e6:.3g} us; inter {self.inter.name} "
-                f"{self.inter.bandwidth / 1e9:.4g} GB/s, {self.inter.latency * 1e6:.3g} us")
+                f"{self.inter.bandwidth / 1e9:.4g} GB/s per NIC, {self.inter.latency * 1e6:.3g} us")
 
 
 def check_ranks_per_node(ranks_per_node, world_size: int | None = None,
@@ -194,12 +215,25 @@ def check_ranks_per_node(ranks_per_node, world_size: int | None = None,
     return ranks_per_node
 
 
+def check_nics_per_node(nics_per_node, flag: str = "--nics-per-node") -> int | None:
+    """`nics_per_node` as an int (None stays None: one NIC per GPU); ValueError (one line)
+    unless it is an integer >= 1."""
+    if nics_per_node is None:
+        return None
+    if isinstance(nics_per_node, bool) or not isinstance(nics_per_node, int) or nics_per_node < 1:
+        raise ValueError(f"{flag} {nics_per_node!r} must be an integer >= 1 (network cards in "
+                         "each node; default one per GPU)")
+    return nics_per_node
+
+
 def get_topology(ranks_per_node: int, intra: str | Link, inter: str | Link,
-                 world_size: int | None = None) -> Topology:
-    """A Topology of nodes of `ranks_per_node` ranks; intra / inter: Links, or text for
-    `parse_link` (a profile name or GBPS[@LATENCY_US]). ValueError (one line) for a bad value:
-    ranks_per_node < 1 or not dividing world_size, an unknown profile (the error lists them)."""
+                 world_size: int | None = None, nics_per_node: int | None = None) -> Topology:
+    """A Topology of nodes of `ranks_per_node` ranks and `nics_per_node` NICs (None: one per
+    GPU); intra / inter: Links, or text for `parse_link` (a profile name or GBPS[@LATENCY_US]).
+    ValueError (one line) for a bad value: ranks_per_node < 1 or not dividing world_size,
+    nics_per_node < 1, an unknown profile (the error lists them)."""
     k = check_ranks_per_node(ranks_per_node, world_size)
+    c = check_nics_per_node(nics_per_node)
     links = [x if isinstance(x, Link) else parse_link(x, f"--{name}")
              for name, x in (("intra", intra), ("inter", inter))]
-    return Topology(k, *links)
+    return Topology(k, *links, c)

@@ -19,15 +19,21 @@ on the GPU's stream and would not wait for a host-side sleep). Validated in test
 and labs/lab6_time_by_stage.ipynb.
 
 Two tiers (`TieredLinkEmulator`, `--ranks-per-node K --intra SPEC --inter SPEC`): ranks are in
-nodes of K consecutive ranks (node = rank // K); each rank has its own intra link (its NVLink /
-PCIe port) and its own share of the inter link (one NIC per GPU), each with its own clock. A
-collective is timed by the tiers its process group's ring crosses (`costmodel.flat_leg`: the
-group's global ranks come from its Comm): inside one node the intra link alone; through several
-nodes each ring step waits for its slowest hop, so it pays the slow tier and keeps both of the
-rank's links busy; one rank per node, the inter link alone. Collectives queue per tier in issue
-order (`costmodel.Clocks`). A hierarchical all_reduce is three collectives on sub-groups
+nodes of K consecutive ranks (node = rank // K) with c NICs each (one per GPU unless the
+Topology says otherwise); each rank has its own intra link (its NVLink / PCIe port) and its NIC
+share of the inter link, each with its own clock. A collective is timed as the cost model times
+its process group (`costmodel.flat_leg`: the group's global ranks come from its Comm): inside one
+node the intra link alone; through several nodes one ring per NIC, as fast as the node's NICs
+together or its intra link, whichever is slower, keeping both of the rank's links busy; one rank
+per node, the rank's NIC share alone. Collectives queue per tier in issue order
+(`costmodel.Clocks`). A hierarchical all_reduce is three collectives on sub-groups
 (`tiers.hierarchical_all_reduce`), each timed on its own tier. Validated in
 zerolab/timing/tiercheck.py (margins there) and tests/test_tiers.py.
+
+Because a collective sleeps for exactly the model's time, a measured/model ratio on emulated
+links checks zerolab's schedule and overlap (what waits for what, what hides behind compute), not
+the α-β or two-tier model itself: that is held to published NCCL measurements in
+tests/test_nics.py.
 
     python -m zerolab train --stage 0 --nproc 4 --preset nano --ranks-per-node 2 \\
         --intra 1@20 --inter 0.1@200
@@ -108,7 +114,7 @@ def from_args(gbps: float | None, latency_us: float | None, world_size: int) -> 
 class TieredLinkEmulator:
     """A rank's two emulated links: its intra link and its share of the inter link.
 
-    topology: a hardware.Topology (ranks per node, intra and inter Links). `issue(work, op,
+    topology: a hardware.Topology (ranks and NICs per node, intra and inter Links). `issue(work, op,
     size_bytes, handle, ranks)` -> EmulatedWork ending when `costmodel.flat_leg` says for the
     group `ranks` (global ranks; None: the whole world), after the collectives before it on the
     tiers it uses. `busy` lists (op, tier paid, start, end) in perf_counter seconds; `clocks`
@@ -134,15 +140,18 @@ class TieredLinkEmulator:
 
 
 def tiers_from_args(ranks_per_node: int | None, intra: str | None, inter: str | None,
-                    world_size: int, link_gbps: float | None = None) -> hardware.Topology | None:
-    """The Topology for `--ranks-per-node K --intra SPEC --inter SPEC` (None when K is not given).
+                    world_size: int, link_gbps: float | None = None,
+                    nics_per_node: int | None = None) -> hardware.Topology | None:
+    """The Topology for `--ranks-per-node K --intra SPEC --inter SPEC [--nics-per-node C]` (None
+    when K is not given; C defaults to one NIC per GPU).
 
-    SPEC: a profile name of hardware.LINKS or a custom GBPS[@LATENCY_US] (`hardware.parse_link`).
-    Raises ValueError (one line) for K < 1 or not dividing world_size, a missing or unknown
-    SPEC (the error lists the profiles), --intra / --inter without K, or K with --link-gbps (the
-    one-tier link)."""
+    SPEC: a profile name of hardware.LINKS or a custom GBPS[@LATENCY_US] (`hardware.parse_link`;
+    --inter is one NIC's). Raises ValueError (one line) for K < 1 or not dividing world_size,
+    C < 1, a missing or unknown SPEC (the error lists the profiles), --intra / --inter /
+    --nics-per-node without K, or K with --link-gbps (the one-tier link)."""
     if ranks_per_node is None:
-        given = [f for f, v in (("--intra", intra), ("--inter", inter)) if v is not None]
+        given = [f for f, v in (("--intra", intra), ("--inter", inter),
+                                ("--nics-per-node", nics_per_node)) if v is not None]
         if given:
             verb = "needs" if len(given) == 1 else "need"
             raise ValueError(f"{' and '.join(given)} {verb} --ranks-per-node (ranks in each node)")
@@ -154,7 +163,7 @@ def tiers_from_args(ranks_per_node: int | None, intra: str | None, inter: str | 
     if missing:
         raise ValueError(f"--ranks-per-node {ranks_per_node} needs {' and '.join(missing)}: a "
                          f"profile ({', '.join(hardware.LINKS)}) or GBPS[@LATENCY_US], e.g. 0.1@200")
-    return hardware.get_topology(ranks_per_node, intra, inter, world_size)
+    return hardware.get_topology(ranks_per_node, intra, inter, world_size, nics_per_node)
 
 
 def emulator(gbps: float | None, latency_us: float | None, world_size: int,

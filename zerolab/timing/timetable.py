@@ -8,11 +8,12 @@ the threshold T* below which ZeRO-3 is communication-bound, at the MFU given and
     python -m zerolab time --params 7.5e9 --world-size 64 --tokens-per-rank 4096 --mfu 0.4
     python -m zerolab time --world-size 64 --ranks-per-node 8 --intra nvlink4 --inter ib-ndr
 
-With two tiers (a `hardware.Topology`) the header shows both links, every stage's collectives
-run as one ring over all N ranks (paying the slow tier when N spans nodes), an extra row replays
+With two tiers (a `hardware.Topology`) the header shows both links and the NICs per node, every
+stage's collectives run flat over all N ranks (one ring per NIC when N spans nodes: as fast as a
+node's NICs together, `collectives.flat_leg`), an extra row replays
 DDP with hierarchical all_reduces, two more replay ZeRO-3's hybrids (HSDP and hpZ,
 zerolab.hybrid: gathers inside a node), and the last column tags each op's milliseconds with the tier
-they were paid at: "all_reduce 611 [inter]", "all_reduce 127 [intra 59 + inter 68]".
+they were paid at: "all_reduce 93.99 [inter]", "all_reduce 127.1 [intra 59.23 + inter 67.87]".
 """
 from __future__ import annotations
 
@@ -26,28 +27,30 @@ from .hardware import Device, Link, Topology
 SENSITIVITY = (0.3, 0.4, 0.5, 1.0)          # the MFUs the threshold is also printed at
 
 
-def _link_lines(name: str, link: Link, indent: str = "") -> list[str]:
-    return [f"{indent}{name} {link.name}: β = {link.bandwidth / 1e9:.4g} GB/s per rank per direction "
+def _link_lines(name: str, link: Link, indent: str = "", per: str = "rank") -> list[str]:
+    return [f"{indent}{name} {link.name}: β = {link.bandwidth / 1e9:.4g} GB/s per {per} per direction "
             f"({link.gbps:.4g} Gb/s), α = {link.latency * 1e6:.3g} us per ring step",
             f"{indent}  source: {link.source}"]
 
 
 def network_lines(world_size: int, link: Link | Topology) -> list[str]:
-    """The header lines that describe the network: one link, or two tiers and what a flat ring
-    over all world_size ranks pays."""
+    """The header lines that describe the network: one link, or two tiers, the NICs, and what a
+    flat ring over all world_size ranks runs at."""
     if not isinstance(link, Topology):
         return _link_lines("link", link)
-    k, n = link.ranks_per_node, world_size
+    k, n, c = link.ranks_per_node, world_size, link.nics
     nodes = -(-n // k)
-    paid = "inter" if costmodel.flat_link(link, n) is link.inter else "intra"   # by bandwidth
-    lines = [f"network: {nodes} node(s) x {k} ranks per node, two tiers (each rank its own share "
-             "of both links)"]
-    lines += _link_lines("intra", link.intra, "  ") + _link_lines("inter", link.inter, "  ")
+    lines = [f"network: {nodes} node(s) x {k} ranks per node, {c} NIC{'s' if c > 1 else ''} per "
+             "node (intra per GPU, inter per NIC)"]
+    lines += _link_lines("intra", link.intra, "  ", "GPU") + _link_lines("inter", link.inter, "  ", "NIC")
     if nodes > 1:
-        lines.append(f"  every stage's collectives are one ring over all N = {n} ranks through "
-                     f"{nodes} nodes: each ring step waits for its slowest hop, so they pay "
-                     f"{paid} (2(n-1)·(α + S/(n·β)) for an all_reduce); 'hierarchical' all_reduces "
-                     "reduce_scatter intra, all_reduce S/k inter, all_gather intra")
+        flat = costmodel.flat_link(link, n)
+        lines.append(f"  every stage's collectives are flat over all N = {n} ranks through {nodes} "
+                     f"nodes: NCCL runs one ring per NIC, so a GPU sends 1/{k} of its ring bytes on "
+                     f"a NIC and {k - 1}/{k} on {link.intra.name}; the ring runs at {flat.name}, "
+                     f"{flat.bandwidth / 1e9:.4g} GB/s (2(n-1)·α + 2(n-1)/n·S·max(1/(k·β_nic), "
+                     "(k-1)/(k·β_intra)) for an all_reduce with a NIC per GPU); 'hierarchical' "
+                     "all_reduces reduce_scatter intra, all_reduce S/k inter, all_gather intra")
     else:
         lines.append(f"  all N = {n} ranks fit in one node: every collective pays intra")
     return lines
@@ -131,15 +134,16 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
     t_star = costmodel.zero3_comm_bound_tokens(block, world_size, link, device, precision, mfu, **shape)
     bound = "communication-bound" if tokens_per_rank < t_star else "compute-bound"
     w = theory.bytes_per_param(precision)["params"]
-    bw_term = (world_size - 1) / world_size * w / 2 * device.flops * mfu / costmodel.flat_link(
-        link, world_size).bandwidth
+    flat = costmodel.flat_link(link, world_size)
+    bw_term = (world_size - 1) / world_size * w / 2 * device.flops * mfu / flat.bandwidth
     by_mfu = ", ".join(f"{m:g}: {costmodel.zero3_comm_bound_tokens(block, world_size, link, device, precision, m, **shape):,.0f}"
                        for m in SENSITIVITY)
     lines += ["", "times in ms per optimizer step; 'exposed' = overlap - compute (comm not hidden)",
               f"ZeRO-3 threshold: a block's all_gather equals its forward compute at T* = "
               f"{t_star:,.0f} tokens per rank; at {tokens_per_rank:g} tokens per rank ZeRO-3 is {bound}",
               f"  T* = all_gather x F·MFU / ((2Ψ_b + 4·d·T) FLOPs per token); its bandwidth part "
-              f"without attention, (n-1)/n · (w/2) · F·MFU/β = {bw_term:,.0f} (w = {w} bytes per param)",
+              f"without attention, (n-1)/n · (w/2) · F·MFU/β = {bw_term:,.0f} (w = {w} bytes per param, "
+              f"β = {flat.bandwidth / 1e9:.4g} GB/s, {flat.name})",
               f"  T* at MFU {by_mfu} tokens per rank (T* grows with MFU: faster compute needs more "
               f"tokens to hide the same gather)"]
     return "\n".join(lines)

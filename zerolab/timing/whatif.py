@@ -15,9 +15,9 @@ given), all_reduces as rings unless `algorithm` says "tree" or "auto".
     python -m zerolab whatif --preset 1b --world-size 1024
     python -m zerolab whatif --preset 1b --ranks-per-node 8 --intra nvlink4 --inter ib-ndr
 
-With two tiers (a `hardware.Topology`) the time replays each collective as one ring over all N
-ranks (the slow tier when N spans nodes, `costmodel.flat_leg`), and a column says which tier
-the step's collectives paid.
+With two tiers (a `hardware.Topology`) the time replays each collective flat over all N ranks
+(one ring per NIC when N spans nodes, as fast as a node's NICs together: `costmodel.flat_leg`),
+and a column says which tier the step's collectives paid.
 
 The fake process group is torch's test utility (torch.testing._internal.distributed.fake_pg), the
 one torch's own FSDP tests use for large worlds; it is private API and may move between releases.
@@ -235,8 +235,8 @@ def format_whatif(reports: list[dict], link, device, tokens_per_rank, precision=
     lines += ["", f"bytes per step from the ledger (formula), GB; time from the cost model: "
               f"{tokens_per_rank:g} tokens/rank, {device.name} at MFU {mfu:g} ({attn}), "
               + (f"link {link.name}, ms" if not two else
-                 f"two tiers: {link.describe(r0['world_size'])}; each collective one ring over all "
-                 "N ranks, ms"),
+                 f"two tiers: {link.describe(r0['world_size'])}; each collective flat over all N "
+                 "ranks, one ring per NIC, ms"),
               costmodel.latency_note(r0["world_size"], link, algorithm),
               f"{'stage':<8}{'moved':>18}{'collectives':>13}{'no overlap':>12}{'overlap':>10}"
               f"{'prefetch':>10}" + (f"{'pays':>8}" if two else "")]
