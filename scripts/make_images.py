@@ -12,9 +12,13 @@ Figures:
                           the ZeRO stages"), redrawn from theory.SHARDED_FROM_STAGE
   ring_allreduce.png      a ring all-reduce on 4 ranks: 3 reduce-scatter steps then 3 all-gather
                           steps, each rank sending one chunk (S/n) per step
+  nics_busbw.png          bus bandwidth of flat collectives across nodes, published NCCL
+                          measurements next to the two-tier model with its NICs per node (one
+                          ring per NIC: zerolab.timing.collectives.flat_leg); tests/test_nics.py
+                          holds the model to the same figures
 
 Notebook 02 calls `memory_by_stage` and `zero_stages` to draw the same figures inline; notebook 03
-shows ring_allreduce.png. Every function returns a matplotlib Figure and saves nothing itself.
+shows ring_allreduce.png, notebook 13 nics_busbw.png. Every function returns a matplotlib Figure and saves nothing itself.
 """
 from __future__ import annotations
 
@@ -184,11 +188,71 @@ def ring_allreduce(n: int = 4):
     return fig
 
 
+#: published NCCL measurements across nodes: (source, label, op, ranks per node, nodes, NICs per
+#: node, intra Link, inter Link, bytes, measured bus bandwidth in bytes/s). Bus bandwidth as
+#: nccl-tests defines it: S/t times 2(n-1)/n (all_reduce) or (n-1)/n (reduce_scatter).
+def _published():
+    from zerolab.timing.hardware import LINKS, Link, get_link
+    nvlink2 = Link("nvlink2", 150e9, 2e-6)          # V100: NVLink 300 GB/s bidirectional
+    edr = get_link(gbps=100, latency_us=5)          # InfiniBand EDR, 100 Gb/s a port
+    ar, rs = "all_reduce", "reduce_scatter"
+    rows = [("nccl#569", f"{8 // k} x {k} V100\n{k} EDR NIC{'s' if k > 1 else ''}", ar, k, 8 // k, 8, nvlink2,
+             edr, 1.6e9, 1.6e9 / t * 2 * 7 / 8) for k, t in ((1, 0.363), (2, 0.173), (4, 0.132))]
+    rows.append(("nccl-tests#119", "3 x 8 A100\n4 HDR NICs", ar, 8, 3, 4, LINKS["nvlink3"],
+                 LINKS["ib-hdr"], 133_169_160, 95.74e9))
+    rows += [("nccl#1229", f"{m} x 8 H100\n8 NDR NICs", rs, 8, m, 8, LINKS["nvlink4"], LINKS["ib-ndr"],
+              8 * 2 ** 30, bw * 1e9)
+             for m, bw in ((4, 360), (8, 345), (16, 320), (32, 300), (64, 280), (128, 260))]
+    return rows
+
+
+def nics_busbw():
+    """Measured bus bandwidth of flat collectives across nodes (bars, in the collective's colour)
+    against the two-tier model at line rate with the nodes' NICs (black ticks): nccl#569 (the
+    same 8 V100 ranks on 1, 2, 4 GPUs and NICs a node), nccl-tests#119 (4 HDR NICs for 8 A100s),
+    nccl#1229 (reduce_scatter on 4-128 H100 nodes with 8 NDR NICs). nccl#1229 gives no message
+    size; the model's is 8 GiB, the bandwidth-bound end."""
+    from zerolab.timing import collectives
+    from zerolab.timing.hardware import Topology
+    rows = _published()
+    fig, ax = plt.subplots(figsize=(11, 4.6))
+    for x, (src, label, op, k, m, c, intra, inter, size, measured) in enumerate(rows):
+        n = k * m
+        t = collectives.flat_leg(op, size, range(n), Topology(k, intra, inter, c)).seconds
+        factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+        model = size / t * factor
+        ax.bar(x, measured / 1e9, 0.6, color=COLLECTIVE_COLORS[op],
+               label=f"measured {op}" if op not in [r[2] for r in rows[:x]] else None)
+        ax.plot([x - 0.38, x + 0.38], [model / 1e9] * 2, color="k", lw=2,
+                label="model at line rate" if x == 0 else None)
+        ax.text(x, measured / 1e9 / 1.2, f"{measured / 1e9:.3g}", ha="center", va="top", fontsize=8,
+                color="white")
+    ax.set_yscale("log")
+    ax.set_ylim(4, 900)
+    ax.set_xticks(range(len(rows)), [r[1] for r in rows], fontsize=8)
+    groups = {}
+    for x, r in enumerate(rows):
+        groups.setdefault(r[0], []).append(x)
+    for src, xs in groups.items():
+        ax.annotate(src, (sum(xs) / len(xs), 0), xycoords=("data", "axes fraction"),
+                    xytext=(0, -34), textcoords="offset points", ha="center", va="top", fontsize=9)
+        if xs[0]:
+            ax.axvline(xs[0] - 0.5, color="0.75", lw=0.8)
+    ax.set_ylabel("bus bandwidth, GB/s (log)", fontsize=9)
+    ax.tick_params(axis="y", labelsize=9)
+    ax.set_title("Flat collectives across nodes: one ring per NIC, so a node's NICs add up "
+                 "(measured vs the two-tier model)", fontsize=10)
+    ax.legend(fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = {
     "memory_7p5b_n64.png": lambda: memory_by_stage(7.5e9, 64),
     "memory_7p5b_n8.png": lambda: memory_by_stage(7.5e9, 8),
     "zero_stages.png": lambda: zero_stages(7.5e9, 4),
     "ring_allreduce.png": lambda: ring_allreduce(4),
+    "nics_busbw.png": nics_busbw,
 }
 
 

@@ -11,7 +11,8 @@ defines it: algbw = S/t times 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatte
   133,169,160 B in 2,666.0 us, busbw 95.74 GB/s (the maintainer: "24 GB/s per 200G NIC ... 96
   GB/s is the target").
 - NVIDIA/nccl#1229: H100 nodes with 8 x 400G NICs, reduce_scatter busbw 360, 345, 320 GB/s on
-  4, 8, 16 nodes (then 300, 280, 260 on 32-128: the fall past 16 nodes is not in the model).
+  4, 8, 16 nodes (then 300, 280, 260 on 32-128 nodes, where the model, whose bus bandwidth falls
+  only by the ring's latency, stays 26-28 % above).
 - NVIDIA/nccl#412: 8 A800 with one HDR NIC; the maintainer: ~24 GB/s inter-node busbw.
 - NVIDIA/nccl#569: the same 8 V100 ranks on DGX-2 nodes (16 V100 on NVSwitch, NVLink 2 at 150
   GB/s each way per GPU; 8 EDR 100 Gb/s NICs), as 8 nodes x 1, 4 x 2 and 2 x 4 GPUs, each GPU
@@ -112,12 +113,13 @@ def test_nccl_tests_119_four_hdr_nics_on_eight_a100s():
 
 def test_nccl_1229_eight_400g_nics_on_h100_nodes():
     size = 8 * 2 ** 30                                  # the bandwidth-bound end (nccl-tests -e 8G)
-    for nodes, measured in ((4, 360e9), (8, 345e9), (16, 320e9)):
+    for nodes, measured in ((4, 360e9), (8, 345e9), (16, 320e9), (32, 300e9), (64, 280e9), (128, 260e9)):
         n = 8 * nodes
         topo = hw.get_topology(8, "nvlink4", "ib-ndr", n)
         got = busbw("reduce_scatter", size, n, model("reduce_scatter", size, n, topo))
-        assert got == pytest.approx(measured, rel=0.25), nodes
         assert got >= measured                          # a ceiling: line rate, no congestion
+        if nodes <= 16:
+            assert got == pytest.approx(measured, rel=0.25), nodes
 
 
 def test_nccl_412_one_hdr_nic_on_eight_gpus():
