@@ -1,14 +1,16 @@
 """Hybrid sharding: ZeRO-3 on nodes whose inside links are 10-50x faster than the links between.
 
 Idea: flat ZeRO-3 (zero3.py) runs every all_gather and reduce_scatter on rings through all N
-ranks; on a cluster each of those rings crosses nodes and runs at the slow tier's speed. Two ways
-keep ZeRO-3's per-block traffic inside a node of k ranks (m = N/k nodes; `zerolab.tiers`):
+ranks; on a cluster each of those rings crosses nodes (NCCL runs one ring per NIC: 1/k of a rank's
+ring bytes go over its NIC, the rest inside the node) and pays N-1 latency steps. Two ways keep
+ZeRO-3's per-block traffic inside a node of k ranks (m = N/k nodes; `zerolab.tiers`):
 
 - HSDP (FSDP's HYBRID_SHARD; FSDP2's `fully_shard(mesh=(replicate, shard))`): ZeRO-3 inside each
   node - every state sharded over the node's k ranks only, 16Ψ/k bytes a rank - and plain data
   parallelism across nodes: each block's gradient is reduce_scattered inside the node, then its
   1/k shard is all-reduced across the m nodes (one rank per node; the k shards cross in
-  parallel). The slow tier carries 2(m-1)/m·2Ψ/k bytes a rank a step; every gather stays inside.
+  parallel). A NIC carries 2(m-1)/m·2Ψ/k bytes a step (flat ZeRO-3: 3(N-1)/N·2Ψ/k, 1.7 times
+  more at N = 64, k = 8); every gather stays inside, on rings of k ranks.
 - hpZ (ZeRO++'s hierarchical partitioning; FSDP2's `reshard_after_forward=k`): the states stay
   sharded over all N ranks (16Ψ/N), and the forward's all_gather still crosses nodes; but after a
   block's forward each rank keeps a secondary shard, its 1/k of the full weights among its node's

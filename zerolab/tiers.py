@@ -1,14 +1,15 @@
 """Two tiers: the ranks of a node and the ranks across nodes, their Comms, and their bytes.
 
-Idea: on a real cluster a node's links (NVLink, PCIe) are 10-50x faster than the links between
-nodes (InfiniBand, Ethernet). Ranks sit in nodes of k consecutive ranks (node = rank // k, as
-torchrun numbers them); a collective's cost depends on the tier its group crosses. `node_comms(k)`
-gives every rank two sub-group Comms - `intra`, its node's k ranks, and `inter`, the m = N/k ranks
-with its own local index, one per node - that write into the world Comm's ledger, each record
-tagged with its tier. From them:
+Idea: on a real cluster a node's links (NVLink, PCIe) are 10-50x faster per GPU than the links
+between nodes (InfiniBand, Ethernet; a NIC per GPU on HGX / DGX nodes). Ranks sit in nodes of k
+consecutive ranks (node = rank // k, as torchrun numbers them); a collective's cost depends on the
+tier its group crosses. `node_comms(k)` gives every rank two sub-group Comms - `intra`, its node's
+k ranks, and `inter`, the m = N/k ranks with its own local index, one per node - that write into
+the world Comm's ledger, each record tagged with its tier. From them:
 
 - `hierarchical_all_reduce`: reduce_scatter inside the node, all_reduce of the 1/k chunk across
-  nodes, all_gather inside (NCCL's tree / two-level algorithms; what DDP on a cluster wants);
+  nodes, all_gather inside (NCCL's tree is such a hierarchy): rings of k and m ranks instead of
+  N, about the same bytes on a NIC as a flat ring with a NIC per GPU;
 - hybrid sharding (`zerolab.hybrid`): HSDP shards over `intra` and all_reduces each gradient shard
   over `inter`; hpZ gathers the backward's weights over `intra` from a secondary shard.
 
@@ -86,8 +87,9 @@ def hierarchical_all_reduce(tensor: torch.Tensor, intra: Comm, inter: Comm, *, w
         all_reduce across nodes         G[S/k]    ->  G[S/k], summed over every node
         all_gather over the node        G[S/k]    ->  G[S]
 
-    The k chunks cross nodes in parallel, one per local rank, so the slow tier carries S/k per
-    rank instead of S (costmodel.hierarchical_all_reduce times it). Each collective is recorded
+    The k chunks cross nodes in parallel, one per local rank, each through its own rank's NIC: a
+    NIC carries 2(m-1)/m·S/k, about what a flat ring puts on it with a NIC per GPU (2(n-1)/n·S/k),
+    in 2(m-1) steps across instead of 2(n-1) (costmodel.hierarchical_all_reduce times it). Each collective is recorded
     in its own Comm's ledger. Returns their three Handles, waited for. ValueError unless `tensor`
     is contiguous and k divides its numel (pad first, as the strategies' flat buffers are).
     """
