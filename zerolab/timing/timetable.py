@@ -45,9 +45,11 @@ def network_lines(world_size: int, link: Link | Topology) -> list[str]:
     lines += _link_lines("intra", link.intra, "  ", "GPU") + _link_lines("inter", link.inter, "  ", "NIC")
     if nodes > 1:
         flat = costmodel.flat_link(link, n)
+        how = (f"so a GPU sends 1/{k} of its ring bytes on a NIC and {k - 1}/{k} on {link.intra.name}"
+               if link.nic_share == 1 else
+               f"so a node's ring bytes leave through its {c} NIC{'s' if c > 1 else ''}")
         lines.append(f"  every stage's collectives are flat over all N = {n} ranks through {nodes} "
-                     f"nodes: NCCL runs one ring per NIC, so a GPU sends 1/{k} of its ring bytes on "
-                     f"a NIC and {k - 1}/{k} on {link.intra.name}; the ring runs at {flat.name}, "
+                     f"nodes: NCCL runs one ring per NIC, {how}; the ring runs at {flat.name}, "
                      f"{flat.bandwidth / 1e9:.4g} GB/s (2(n-1)·α + 2(n-1)/n·S·max(1/(k·β_nic), "
                      "(k-1)/(k·β_intra)) for an all_reduce with a NIC per GPU); 'hierarchical' "
                      "all_reduces reduce_scatter intra, all_reduce S/k inter, all_gather intra")
