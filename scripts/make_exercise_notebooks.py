@@ -112,7 +112,9 @@ MORE = {
                "How long does a collective take? The α-β model: a latency α for each ring step "
                "plus the bytes each rank sends over the bandwidth β. zerolab's link emulator "
                "(shown below) makes gloo collectives last exactly as long as the model says, so "
-               "your prediction can be measured on a laptop.",
+               "your prediction can be measured on a laptop: that checks your arithmetic against "
+               "zerolab's model and schedule, not the model against a real network (notebook 13 "
+               "does that with published NCCL figures).",
                "the check compares `ring_time` with zerolab's cost model on a few hundred (op, "
                "size, n, link) cases, then times each collective on 3 gloo ranks over an "
                "emulated 0.1 Gb/s link with α = 2 ms, and asks the measured time to be within "

@@ -6,7 +6,7 @@ Idea: a laptop has no second node, but the link emulator (`--ranks-per-node K --
 says for the tiers its ranks cross, sleeping so that compute overlaps it as on real links. Each
 variant is a real `zerolab train` run of ZeRO-3 on N ranks in nodes of K:
 
-    ZeRO-3       flat: every gather and reduce_scatter a ring through all N ranks (slow tier)
+    ZeRO-3       flat: every gather and reduce_scatter a ring through all N ranks (one ring per NIC across nodes)
     HSDP         --hybrid hsdp: sharded inside a node, each gradient shard all-reduced across
     hpZ          --hybrid hpz: the backward's gathers inside the node, from secondary shards
     qwZ          --quantize-weights int8: flat, each gather carries int8 codes + fp32 scales
