@@ -71,6 +71,18 @@ def ranks(text):
 ranks.__name__ = "world size"
 
 
+def nics(text: str) -> int:
+    """An argparse type for --nics-per-node: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of NICs per node >= 1 "
+                                         "(default: one per GPU)")
+    return n
+
+
 FORMULA = {
     "params": (("--params",), dict(type=count, default=7.5e9, help="Ψ, e.g. 7.5e9, 7.5B, 125M")),
     "world_size": (("--world-size",), dict(type=ranks, default=64, help="data-parallel ranks N")),
@@ -93,14 +105,17 @@ FORMULA = {
         "auto, the cheaper of the two per collective. reduce_scatter / all_gather are always "
         "rings (NCCL has no tree for them)"))),
     "ranks_per_node": (("--ranks-per-node",), dict(type=int, default=None, metavar="K", help=(
-        "two tiers: nodes of K ranks, --intra inside a node, --inter between nodes; a ring over "
-        "several nodes pays the slower tier (default: one link, --link)"))),
+        "two tiers: nodes of K ranks, --intra inside a node, --inter between nodes; a flat ring "
+        "runs one ring per NIC, at the node's NICs together (default: one link, --link)"))),
     "intra": (("--intra",), dict(default=None, metavar="SPEC", help=(
         "with --ranks-per-node: the link inside a node, a profile (nvlink4, pcie5, ...) or "
         "GBPS[@LATENCY_US] (default: nvlink4)"))),
     "inter": (("--inter",), dict(default=None, metavar="SPEC", help=(
         "with --ranks-per-node: the link between nodes, a profile (ib-ndr, 400gbe, ...) or "
         "GBPS[@LATENCY_US] (default: --link)"))),
+    "nics_per_node": (("--nics-per-node",), dict(type=nics, default=None, metavar="C", help=(
+        "with --ranks-per-node: network cards in each node, --inter being one NIC's link "
+        "(default: one per GPU, C = K; 1: the whole node on one NIC)"))),
 }
 
 
@@ -177,10 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--seq-len", type=number, default=2048, help=(
         "tokens per sequence T for attention's FLOPs, at most --tokens-per-rank; 0: the 6Ψ rule "
         "alone"))
-    _formula(tm, "algo", "precision", "ranks_per_node", "intra", "inter")
+    _formula(tm, "algo", "precision", "ranks_per_node", "intra", "inter", "nics_per_node")
     tm.description = ("Step time of DDP and ZeRO-1/2/3 from the α-β cost model: compute (6Ψ + "
                       "12·L·d·T) FLOPs per token at peak x MFU, collectives on one in-order link "
-                      "(or two tiers: --ranks-per-node K --intra SPEC --inter SPEC).")
+                      "(or two tiers: --ranks-per-node K --intra SPEC --inter SPEC [--nics-per-node C]).")
 
     wi = command("whatif", "one rank of a large world on a fake process group (timing/whatif.py)")
     wi.add_argument("--preset", default="1b", help="nano, tiny, small, gpt2, medium, 1b")
@@ -188,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     wi.add_argument("--rank", type=int, default=0, help="which rank to run")
     wi.add_argument("--stage", "--stages", dest="stages", default="0,1,2,3", help="stage or comma list")
     _formula(wi, "precision", "tokens", "link", "device", "mfu", "algo", "ranks_per_node", "intra",
-             "inter")
+             "inter", "nics_per_node")
     wi.description = ("One training step of each stage for one rank of a fake world: per-rank "
                       "bytes by state from the code (formula in brackets) and 'peak', the "
                       "largest total the memory meter saw during the step: the model states plus "
@@ -296,17 +311,19 @@ def cmd_memory(args) -> int:
 
 
 def _network(args, link):
-    """`link`, or the two tiers of --ranks-per-node K --intra SPEC --inter SPEC (defaults:
-    nvlink4 inside, `link` between); ValueError (one line) for a bad value."""
+    """`link`, or the two tiers of --ranks-per-node K --intra SPEC --inter SPEC --nics-per-node C
+    (defaults: nvlink4 inside, `link` between, a NIC per GPU); ValueError (one line) for a bad
+    value."""
     from ..timing import hardware
     if args.ranks_per_node is None:
-        given = [f for f, v in (("--intra", args.intra), ("--inter", args.inter)) if v is not None]
+        given = [f for f, v in (("--intra", args.intra), ("--inter", args.inter),
+                                ("--nics-per-node", args.nics_per_node)) if v is not None]
         if given:
             verb = "needs" if len(given) == 1 else "need"
             raise ValueError(f"{' and '.join(given)} {verb} --ranks-per-node (ranks in each node)")
         return link
     return hardware.get_topology(args.ranks_per_node, args.intra or "nvlink4", args.inter or link,
-                                 args.world_size)
+                                 args.world_size, args.nics_per_node)
 
 
 def cmd_time(args) -> int:

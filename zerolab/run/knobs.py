@@ -107,16 +107,17 @@ def hybrid(args, world_size: int, stages: list[int] | None = None) -> tuple[str,
 
 
 def tiers(args, world_size: int):
-    """The emulated two-tier network of --ranks-per-node / --intra / --inter (a
-    hardware.Topology), or None; ValueError (one line) for a bad combination or value
-    (`linkemu.tiers_from_args`). --ranks-per-node without --intra / --inter only groups the
-    ranks into nodes, for --hybrid (no emulated links)."""
+    """The emulated two-tier network of --ranks-per-node / --intra / --inter / --nics-per-node
+    (a hardware.Topology), or None; ValueError (one line) for a bad combination or value
+    (`linkemu.tiers_from_args`). --ranks-per-node without --intra / --inter / --nics-per-node
+    only groups the ranks into nodes, for --hybrid (no emulated links)."""
+    nics = getattr(args, "nics_per_node", None)
     if getattr(args, "hybrid", None) and not (getattr(args, "intra", None)
-                                              or getattr(args, "inter", None)):
+                                              or getattr(args, "inter", None)) and nics is None:
         return None
     return linkemu.tiers_from_args(getattr(args, "ranks_per_node", None), getattr(args, "intra", None),
                                    getattr(args, "inter", None), world_size,
-                                   getattr(args, "link_gbps", None))
+                                   getattr(args, "link_gbps", None), nics_per_node=nics)
 
 
 def quantize(args, stages: list[int] | None = None):

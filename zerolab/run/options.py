@@ -151,6 +151,10 @@ OPTIONS = {o.dest: o for o in (
            {"metavar": "SPEC"}),
     Option(("--inter",), "with --ranks-per-node: the link between nodes, a profile (ib-ndr, "
            "100gbe, ...) or GBPS[@LATENCY_US], e.g. 0.1@200", {"metavar": "SPEC"}),
+    Option(("--nics-per-node",), "with --ranks-per-node: network cards in each node, --inter "
+           "being one NIC's link; a flat ring runs one ring per NIC, at the node's NICs together "
+           "(default: one per GPU, C = K; 1: the whole node on one NIC)",
+           {"type": int, "metavar": "C"}),
     # --- what it writes --------------------------------------------------------------------------
     Option(("--out",), "output folder: OUT/stage{S}/rank{r}.json for every stage and rank"),
     Option(("--overwrite",), "replace the run OUT already holds (default: keep it, moved to "
@@ -187,7 +191,7 @@ TRAINING = ("stages", "preset", "block_size", "steps", "batch_size", "grad_accum
             "zero3_prefetch_depth", "zero3_keep_root", "quantize_weights", "quantize_grads",
             "quant_block", "hybrid", "activation_checkpointing", "backend",
             "device", "timeout", "link_gbps", "link_latency_us", "ranks_per_node", "intra",
-            "inter", "out", "overwrite", "timeline", "trace", "save_params")
+            "inter", "nics_per_node", "out", "overwrite", "timeline", "trace", "save_params")
 CHECKPOINTS = ("save_every", "resume")
 LAUNCHER = ("nproc", "nnodes", "node_rank", "rdzv_endpoint")
 RANKS_ONLY = ("cuda_snapshot", "no_allocator", "run_id", "crash_in_save", "crash_rank")

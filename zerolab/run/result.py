@@ -58,7 +58,8 @@ def stage_result(st, ledger: list[dict]) -> dict:
         "hybrid": {"kind": hy[0], "ranks_per_node": hy[1]} if hy else None,
         "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
                  if args.link_gbps is not None else None),
-        "tiers": ({"ranks_per_node": args.ranks_per_node, "intra": args.intra, "inter": args.inter}
+        "tiers": ({"ranks_per_node": args.ranks_per_node, "intra": args.intra, "inter": args.inter,
+                   "nics_per_node": getattr(args, "nics_per_node", None)}     # None: one per GPU
                   if getattr(args, "ranks_per_node", None) is not None else None),
         "seed": args.seed, "start_step": st.start, "resumed_from": st.resumed_from,
         "checkpoints": st.saved, "losses": st.losses, "val_loss": st.val_loss,
