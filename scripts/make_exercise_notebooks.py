@@ -97,7 +97,10 @@ MORE = {
                          "prefetch (how many blocks are gathered ahead). In zerolab: a strategy's "
                          "bucket_mb, and ZeRO-3's prefetch depth - one block in zero3.py, which "
                          "_ahead reads; other depths are set by a variant beside the stage, "
-                         "zerolab/prefetch.py. Predict what each does, then let the check measure it.",
+                         "zerolab/prefetch.py. zerolab's DDP fills its buckets in forward order (block 0 "
+                         "first); torch's DDP fills them in reverse registration order, its first "
+                         "bucket capped at 1 MiB. Predict what each does, then let the check "
+                         "measure it.",
                          "the check compares `ddp_buckets` with zerolab's grouping on a few "
                          "hundred (sizes, cap, dtype) cases, then starts 3 gloo ranks that build "
                          "zerolab's DDP with four caps and ZeRO-3 with five prefetch depths on "

@@ -12,6 +12,12 @@ backward need. Per rank, with bf16 weights and gradients (`device_bytes`, `host_
              fp32 gradient 4Ψ/N (AdamW reads fp32; DeepSpeed keeps it pinned too)
              bf16 staging 2Ψ/N (pinned: the landing buffer of the copies both ways)
 
+zerolab's device keeps more than the paper's. The paper and DeepSpeed keep only the fp16/bf16
+weights on the GPU, about 2Ψ (each reduced gradient partition is copied to the host during
+backward); zerolab keeps its reduced gradient shard on the device until the step sends it down:
+
+    paper / DeepSpeed    device 2Ψ          zerolab (ZeRO-2)    device 2Ψ + 2Ψ/N
+
 One step, after backward has reduce-scattered the gradients (`Offload.update`, `wait_up`):
 
     1. down   each unit's bf16 gradient shard -> host staging          2Ψ/N bytes over PCIe

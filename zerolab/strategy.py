@@ -85,7 +85,9 @@ class Strategy:
                                                      always_call=True)]
 
     def build_units(self, model, bucket_mb):
-        """Rank 0's weights on every rank (as torch DDP and FSDP do), then the units."""
+        """Rank 0's weights on every rank, then the units. zerolab's always broadcasts them; torch's
+        DDP does too, FSDP1 only with `sync_module_states=True`, FSDP2 never (each rank's own
+        initialisation is kept: seed it the same)."""
         sync_module_states(model, self.comm)
         return build_units(model, self.n, self.comm.rank,
                            bucket_numel(bucket_mb, model, self.grad_dtype), self.blocks_of(model))

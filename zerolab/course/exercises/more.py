@@ -12,7 +12,7 @@ prediction, and grade it against zerolab's own answer and against a measured run
     process group), and the ValueError for a size that does not divide the world. No ranks.
 (g) buckets_prefetch: `ddp_buckets(block_numels, bucket_cap_mb, grad_bytes)`, the blocks that
     share one gradient all_reduce, graded on many (sizes, cap) cases against
-    `theory.bucket_groups` and then against the buckets a real DDP(bucket_mb=...) formed and the
+    `theory.bucket_groups` and then against the buckets zerolab's DDP(bucket_mb=...) formed and the
     all_reduces its ledger shows; `zero3_gathered_peak(root, block, n_blocks, prefetch, bytes)`,
     graded against the gathered-weights peak the memory meter measured in ZeRO-3 runs with
     prefetch depth 0, 1, 2, 8 and -1 (GPT nano with 6 blocks, fp32, gloo ranks).
@@ -227,7 +227,8 @@ BUCKET_MISTAKES = (    # (why, a wrong ddp_buckets): named when the learner's an
                                           max(1, int(c * theory.MIB // b)) - 0.5)),
     ("bucket_cap_mb=None means one bucket per block (zerolab's default)",
      lambda n, c, b: [list(range(len(n)))] if c is None else ddp_buckets(n, c, b)),
-    ("list the buckets in forward order (block 0's bucket first; DDP reduces them in reverse)",
+    ("list the buckets in forward order, as zerolab's DDP forms them (block 0's bucket first; "
+     "backward reduces them in reverse)",
      lambda n, c, b: ddp_buckets(n, c, b)[::-1]),
 )
 
