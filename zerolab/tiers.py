@@ -156,7 +156,6 @@ def hybrid_link_bytes(psi: float, world_size: int, ranks_per_node: int, kind: st
     k·E a node. Intra groups (I a rank) stay inside. So per NIC (W + k·E)/min(c, k), per GPU
     inside (k-1)/k·W + I. One node (m = 1): nothing crosses. ValueError as hybrid_traffic_bytes,
     or for c < 1."""
-    from .timing.hardware import check_nics_per_node
     n = theory.check_world_size(world_size)
     k, m = _node_split(n, ranks_per_node)
     c = check_nics_per_node(nics_per_node, "nics_per_node") or k
@@ -189,3 +188,14 @@ def _node_split(n: int, k) -> tuple[int, int]:
         raise ValueError(f"ranks_per_node {k!r} must be an integer >= 1 that divides the world "
                          f"size {n}")
     return k, n // k
+
+
+def check_nics_per_node(nics_per_node, flag: str = "--nics-per-node") -> int | None:
+    """`nics_per_node` as an int (None stays None: one NIC per GPU); ValueError (one line)
+    unless it is an integer >= 1."""
+    if nics_per_node is None:
+        return None
+    if isinstance(nics_per_node, bool) or not isinstance(nics_per_node, int) or nics_per_node < 1:
+        raise ValueError(f"{flag} {nics_per_node!r} must be an integer >= 1 (network cards in "
+                         "each node; default one per GPU)")
+    return nics_per_node

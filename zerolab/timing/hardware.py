@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..tiers import check_nics_per_node  # noqa: F401 - re-exported: the flag's check
+
 
 @dataclass(frozen=True)
 class Link:
@@ -213,17 +215,6 @@ def check_ranks_per_node(ranks_per_node, world_size: int | None = None,
         raise ValueError(f"{flag} {ranks_per_node} does not divide the world size {world_size}: "
                          "every node holds the same number of ranks")
     return ranks_per_node
-
-
-def check_nics_per_node(nics_per_node, flag: str = "--nics-per-node") -> int | None:
-    """`nics_per_node` as an int (None stays None: one NIC per GPU); ValueError (one line)
-    unless it is an integer >= 1."""
-    if nics_per_node is None:
-        return None
-    if isinstance(nics_per_node, bool) or not isinstance(nics_per_node, int) or nics_per_node < 1:
-        raise ValueError(f"{flag} {nics_per_node!r} must be an integer >= 1 (network cards in "
-                         "each node; default one per GPU)")
-    return nics_per_node
 
 
 def get_topology(ranks_per_node: int, intra: str | Link, inter: str | Link,
