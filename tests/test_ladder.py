@@ -193,10 +193,10 @@ def test_ladder_rungs_and_megatron_table():
         assert r["per_rank"][3] == r["bytes_per_param"] * 1e9 / 8
         assert r["per_rank"][1] == 4e9 + (r["bytes_per_param"] - 4) * 1e9 / 8
     assert {k: a + b for k, (a, b) in theory.MEGATRON_BYTES.items()} == {
-        ("fp16", "fp16"): 20, ("fp16", "fp32"): 18, ("fp32", "fp32"): 16}
+        ("fp16", "fp16"): 20, ("bf16", "fp32"): 18, ("fp32", "fp32"): 16}
     from zerolab.course.ladder import format_state_ladder
     text = format_state_ladder(1e9, 8)
-    assert "Megatron" in text and "fp16/fp32: 18 = 6 + 12/d" in text
+    assert "Megatron" in text and "bf16/fp32: 18 = 6 + 12/d" in text
     assert [line.split()[-5] for line in text.splitlines()[1:6]] == ["16", "12", "10", "8", "8"]
 
 

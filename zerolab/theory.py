@@ -402,12 +402,13 @@ def format_step_peaks(psi: float, world_size: int, precision: str = "bf16",
 #: text: zerolab.course.ladder.format_state_ladder
 LADDER = (("fp32", "nearest"), ("bf16-moments", "nearest"), ("bf16-master", "kahan"),
           ("bf16-master", "nearest"), ("bf16-master", "stochastic"))
-#: Megatron-LM's distributed optimizer, bytes per parameter (its docs, distrib_optimizer):
+#: Megatron-LM's distributed optimizer, bytes per parameter (its docs, dist-optimizer.md; the
+#: middle row is bf16 parameters with fp32 gradients):
 #: (params, grads): (replicated, sharded 1/d). 20: fp16/bf16 params and grads, an fp32 copy of
 #: the gradient shard among the 16 sharded (zerolab's transient grad_fp32: `peak_step_bytes`'s
 #: 20Ψ); 18: fp32 grads (zerolab's --grad-dtype fp32); 16: fp32 params that are their own master
 #: (the idea of zerolab's "bf16-master" rung, in fp32).
-MEGATRON_BYTES = {("fp16", "fp16"): (4, 16), ("fp16", "fp32"): (6, 12), ("fp32", "fp32"): (8, 8)}
+MEGATRON_BYTES = {("fp16", "fp16"): (4, 16), ("bf16", "fp32"): (6, 12), ("fp32", "fp32"): (8, 8)}
 
 
 def state_ladder(psi: float, world_size: int) -> list[dict]:

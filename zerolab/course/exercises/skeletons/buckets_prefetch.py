@@ -1,6 +1,7 @@
 # Exercise (g): predict two knobs, then the check measures them.
 # Check: zerolab check buckets_prefetch --impl my_buckets_prefetch.py
-# 1. bucket size. DDP(bucket_mb=cap) merges consecutive blocks (forward order) into one gradient
+# 1. bucket size. zerolab's DDP(bucket_mb=cap) merges consecutive blocks (forward order; torch's
+#    DDP buckets in reverse registration order, its first bucket 1 MiB) into one gradient
 #    bucket, one all_reduce each, while the bucket's gradients fit in the cap; torch DDP's
 #    bucket_cap_mb counts MiB (2**20 bytes). A block larger than the cap gets a bucket of its own;
 #    cap None: one bucket per block. (The root unit - embeddings, final LayerNorm - is never
