@@ -29,6 +29,7 @@ from ..run import job, options
 from ..run.folders import atomic_json, check_out_dir, start_run
 from ..run.launch import LaunchError, LaunchInterrupted, run_torchrun
 from ..run.preflight import check_cores
+from .types import count, nics, ranks
 
 number, positive_number = options.number(), options.positive_number
 
@@ -45,44 +46,6 @@ class HELP(argparse.ArgumentDefaultsHelpFormatter):
 
 
 # the formula commands' options (memory, time, whatif), each defined once: flags, keywords
-def count(text):
-    """An argparse type for Ψ as people write it (`theory.parse_params`: 7.5e9, 7.5B, 125M)."""
-    try:
-        return theory.parse_params(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-count.__name__ = "parameter count"
-
-
-def ranks(text):
-    """An argparse type for N as people write it: 1024 or 1e6 (a whole number, >= 1)."""
-    try:
-        n = float(text) if any(c in text for c in ".eE") else int(text)
-    except ValueError:
-        n = None
-    if n is None or n != n or n in (float("inf"), float("-inf")) or n != int(n) or n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks >= 1 (e.g. "
-                                         f"1024 or 1e6)")
-    return int(n)
-
-
-ranks.__name__ = "world size"
-
-
-def nics(text: str) -> int:
-    """An argparse type for --nics-per-node: a whole number >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of NICs per node >= 1 "
-                                         "(default: one per GPU)")
-    return n
-
-
 FORMULA = {
     "params": (("--params",), dict(type=count, default=7.5e9, help="Ψ, e.g. 7.5e9, 7.5B, 125M")),
     "world_size": (("--world-size",), dict(type=ranks, default=64, help="data-parallel ranks N")),
