@@ -35,10 +35,22 @@ def run_ranks(worker, world_size: int, *args, timeout: float = 120.0) -> list:
         pytest.fail(str(err), pytrace=False)
 
 
-def run_zerolab(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
-    """`python -m zerolab ARGS` in its own session; the whole session is killed on timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "zerolab", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+def case_results(ranks, case) -> list[dict]:
+    """Case `case` of every rank's {case: result} (a worker that ran several cases), failing
+    with the traceback of a rank on which it raised ({"error": traceback})."""
+    out = [r[case] for r in ranks]
+    for rank, r in enumerate(out):
+        assert "error" not in r, f"{case} raised on rank {rank}:\n{r['error']}"
+    return out
+
+
+def run_zerolab(args: list[str], timeout: float = 150, cmd=None,
+                cwd=None) -> subprocess.CompletedProcess:
+    """`python -m zerolab ARGS` (or `cmd` ARGS, typed in `cwd`) in its own session; the whole
+    session is killed on timeout."""
+    proc = subprocess.Popen([*(cmd or [sys.executable, "-m", "zerolab"]), *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import zerolab
+from conftest import run_zerolab
 from zerolab import cli
 from zerolab.course import doctor
 from zerolab.run import job, launch, options, preflight
@@ -47,15 +47,7 @@ def console_script(tmp: Path) -> list[str]:
 
 def zerolab_in(folder: Path, args: list[str], tmp: Path, timeout: float = 150):
     """`zerolab ARGS` typed in `folder`; the whole session is killed on timeout."""
-    proc = subprocess.Popen([*console_script(tmp), *args], cwd=folder, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"zerolab {' '.join(args)} timed out after {timeout} s\n{out}\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_zerolab(args, timeout, cmd=console_script(tmp), cwd=folder)
 
 
 def found_from(folder: Path, name: str, with_folder: bool = True) -> list[Path]:

@@ -219,21 +219,11 @@ def run_loop(loop, s, model, rank, n) -> list:
                 x, y = rows(loop, model, step, rank, n, m)
                 if lost(loop, step, m):
                     if loop == "skip_failed_last":
-                        handle = model.blocks[1].register_forward_pre_hook(_fail_once())
-                        try:
-                            s.forward(x, y)
-                        except RuntimeError as e:
-                            assert "transient" in str(e)
-                        handle.remove()
+                        forward_that_fails(s, model, x, y)
                     s.sync_grads()
                     continue
                 if loop == "retry" and step == 1 and m == 0:
-                    handle = model.blocks[1].register_forward_pre_hook(_fail_once())
-                    try:
-                        s.forward(x, y)
-                    except RuntimeError as e:
-                        assert "transient" in str(e)
-                    handle.remove()
+                    forward_that_fails(s, model, x, y)
                 loss = call(s.forward, model, loop, rank, x, y)
                 s.backward(loss / A, sync=loop in SYNC_EVERY
                            or (m == A - 1 and loop != "no_final_sync"))
@@ -274,6 +264,16 @@ def ema_update(model, step) -> float:
     with torch.no_grad():
         torch._foreach_lerp_(EMA["w"], params, 0.5)
     return float(sum(w.double().sum() for w in EMA["w"]))
+
+
+def forward_that_fails(s, model, x, y):
+    """A forward whose block 1 raises once (a transient failure), caught as a loop catches it."""
+    handle = model.blocks[1].register_forward_pre_hook(_fail_once())
+    try:
+        s.forward(x, y)
+    except RuntimeError as e:
+        assert "transient" in str(e)
+    handle.remove()
 
 
 def _fail_once():

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conftest import case_results as results
 from conftest import run_ranks
 from test_torchlike_ledger import ISSUED, as_issued, count_collectives, section, traffic
 
@@ -361,13 +362,6 @@ def worker(rank, n, todo):
 @pytest.fixture(scope="module")
 def ranks():
     return run_ranks(worker, N, RUN, timeout=240)
-
-
-def results(ranks, case) -> list[dict]:
-    out = [r[case] for r in ranks]
-    for rank, r in enumerate(out):
-        assert "error" not in r, f"{case} raised on rank {rank}:\n{r['error']}"
-    return out
 
 
 def assert_close(got, want, atol, what):

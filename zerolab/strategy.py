@@ -74,6 +74,7 @@ class Strategy:
         self.find_unused, self.grad_dtype, self.bucket_mb = (find_unused_parameters, grad_dtype,
                                                              bucket_mb)
         self.handles, self.inflight, self.sync, self.fresh = [], [], True, False
+        self.phase_set = False              # _enter_forward set the ledger's phase
         self.units = self.build_units(model, bucket_mb)
         for u in self.units:
             self.hold(u)
@@ -129,7 +130,7 @@ class Strategy:
             self.comm.current_phase = "forward" if torch.is_grad_enabled() else "eval"
 
     def _leave_forward(self):
-        if getattr(self, "phase_set", False):
+        if self.phase_set:
             self.comm.current_phase, self.phase_set = "setup", False
 
     # --- backward --------------------------------------------------------------------------------
