@@ -12,6 +12,7 @@ up here: a loop that reads the weights on rank 0 only (`with strategy.gathered()
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -202,8 +203,128 @@ def test_collectives_in_a_rank_dependent_order_stop_every_rank_in_one_line_withi
         fix = "enter it on every rank" if case.endswith("reads") else "set_leaf_modules"
         assert fix in e, e          # the advice the loop can follow
         assert r["after_s"] < 15, (case, rank, r["after_s"])
-    if case == "zero3-per-expert":          # it names the experts it found out of step
-        assert any("expert." in r["error"] for r in results), results
+    if case == "zero3-per-expert":          # it names the experts it found out of step,
+        assert any("expert." in r["error"] for r in results), results   # and their layer
+        assert all("set_leaf_modules(model, [MoE])" in r["error"] for r in results), results
     if case == "zero3-rank-order":
         assert any("block." in r["error"] for r in results), results
     print(case, [(round(r["after_s"], 2), r["error"]) for r in results])
+
+
+# --- uneven micro-steps: a rank skips a micro-batch the others run -------------------------------
+# ZeRO-3 gathers weights in every forward, so a rank that skips its last micro-batch (its forward
+# raised, torchtitan#1329, and it calls strategy.sync_grads() as the no_final_sync refusal advises)
+# issues reduce_scatters where the others gather: stopped, naming the forward passes each ran and a
+# way out that ZeRO-3 can take (the batch with its loss times 0). A second member, made up: DDP
+# reducing every micro-step (sync=True), one rank with an extra micro-batch.
+MICRO = 3
+UNEVEN = {  # name: (stage, what the odd rank does)
+    "zero3-skip-last": (3, "skip"), "zero3-loss-times-0": (3, "times0"),
+    "ddp-extra-micro": (0, "extra"),
+}
+
+
+def uneven_worker(rank, n, case):
+    from zerolab import make_strategy, set_leaf_modules
+    from zerolab.comm import Comm
+    stage, odd = UNEVEN[case]
+    torch.manual_seed(0)
+    model = MoEToy()
+    set_leaf_modules(model, [MoE])
+    s = make_strategy(stage, model, Comm(), lr=LR, weight_decay=WD, find_unused_parameters=True)
+    t0 = time.perf_counter()
+    try:
+        for step in range(STEPS):
+            micro = MICRO + (odd == "extra" and rank == 0 and step == 0)
+            for m in range(micro):
+                last = m == micro - 1
+                x, y = batch(10 * step + m, rank)
+                if odd != "extra" and rank == 1 and step == 0 and last:
+                    if odd == "skip":           # the forward raised: no backward for it
+                        s.sync_grads()
+                        continue
+                    x, y = batch(10 * step + m - 1, rank)   # a batch it has, weighed 0
+                    s.backward(s.forward(x, y) * 0, sync=True)
+                    continue
+                s.backward(s.forward(x, y) / MICRO, sync=last or stage == 0)
+            s.step()
+        return {"params": s.full_parameters()}
+    except RuntimeError as e:
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.perf_counter() - t0}
+
+
+def uneven_reference(n) -> dict:
+    """One process: each step's gradient is the sum over the batches that ran of loss / MICRO,
+    averaged over the n ranks (rank 1's last micro-batch of step 0 is skipped)."""
+    torch.manual_seed(0)
+    model = MoEToy()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=BETAS, eps=EPS)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        ran = [(r, m) for r in range(n) for m in range(MICRO)
+               if not (r == 1 and step == 0 and m == MICRO - 1)]
+        sum(model(*batch(10 * step + m, r)) / MICRO / n for r, m in ran).backward()
+        opt.step()
+    return {k: v.detach().float() for k, v in model.named_parameters()}
+
+
+def test_uneven_micro_steps_stop_in_one_line_naming_them_and_the_advice_is_exact():
+    for case in ("zero3-skip-last", "ddp-extra-micro"):
+        results = run_ranks(uneven_worker, 2, case, timeout=120)
+        for rank, r in enumerate(results):
+            e = r.get("error")
+            assert e and e.startswith("CollectiveOrderError") and "\n" not in e, (case, rank, r)
+            assert "forward passes in optimizer step 1" in e and "loss times 0" in e, e
+            assert "set_leaf_modules" not in e and r["after_s"] < 15, (case, rank, r)
+        counts = {(MICRO, MICRO - 1), (MICRO + 1, MICRO)}   # as far as each rank got
+        said = [tuple(int(w) for w in re.findall(r"ran (\d+) forward passes in optimizer step 1, "
+                                                  r"rank \d (\d+)", r["error"])[0])
+                for r in results]
+        assert all(tuple(sorted(p, reverse=True)) in counts for p in said), (case, said)
+    ref = uneven_reference(2)                   # the advice, followed: exact
+    for rank, r in enumerate(run_ranks(uneven_worker, 2, "zero3-loss-times-0", timeout=120)):
+        assert "error" not in r, (rank, r)
+        assert max_param_diff(r["params"], ref) <= 1e-6, rank
+
+
+def test_the_leaf_advice_names_the_layer_that_holds_the_blocks():
+    from zerolab.leaves import holders
+    from zerolab.order import message
+    torch.manual_seed(0)
+    model = MoEToy()
+
+    class Unit:                                 # what holders reads of a unit
+        def __init__(self, name, module):
+            self.name, self.modules = name, [module]
+    units = [Unit(f"expert.{i}", e) for i, e in enumerate(model.moe.experts)]
+    parents = holders(model, units)
+    assert parents == {f"expert.{i}": "MoE" for i in range(EXPERTS)}, parents
+    a = [5, "all_gather", "params", "expert.0", 272, "forward"]
+    b = [5, "all_gather", "params", "expert.2", 272, "forward"]
+    said = message(0, a, 1, b, None, parents)
+    assert "set_leaf_modules(model, [MoE])" in said and "find_unused_parameters=True" in said
+
+
+def _leaf_shard_worker(rank, n):
+    from zerolab import set_leaf_modules
+    from zerolab.torchlike import fully_shard
+    torch.manual_seed(0)
+    model = MoEToy()
+    set_leaf_modules(model, [MoE])
+    for e in model.moe.experts:
+        fully_shard(e)
+    try:
+        fully_shard(model)
+    except ValueError as e:
+        return str(e)
+
+
+def test_fully_shard_inside_a_leaf_is_refused_in_one_line_naming_the_leaf():
+    """set_leaf_modules(model, [MoE]) then fully_shard on each expert (the leaf ignored, before):
+    refused when the root is sharded, naming the experts and the layer to shard instead."""
+    for said in run_ranks(_leaf_shard_worker, 2, timeout=120):
+        assert said and "\n" not in said, said
+        assert "experts.0" in said and "fully_shard on the MoE itself" in said, said

@@ -208,6 +208,8 @@ class Comm:
         self.records: list[Record] = []
         self.root, self.tier, self.children = self, "", []   # a sub-group's: zerolab.tiers
         self._step, self._phase = 0, "setup"
+        self.passes: dict[int, int] = {0: 0}   # forward passes per optimizer step (root only)
+        self.parents: dict[str, str] = {}      # unit -> class of the module holding its blocks
         self.backend = dist.get_backend(group)
         self._pending: list[Handle] = []        # issued, duration not read yet (issue order)
         self._gloo_free: list[float] = []       # gloo: the latest completions settled so far
@@ -224,8 +226,21 @@ class Comm:
     # step and phase live at the root Comm: a sub-group's collectives carry its parent's
     step = property(lambda self: self.root._step,
                     lambda self, v: setattr(self.root, "_step", v))
-    current_phase = property(lambda self: self.root._phase,
-                             lambda self, v: setattr(self.root, "_phase", v))
+    current_phase = property(lambda self: self.root._phase, lambda self, v: self._enter(v))
+
+    def _enter(self, phase: str):
+        """Set the phase, counting forward passes between optimizer steps (`passes`: {k: forward
+        passes after the k-th entry into "step"}): zerolab.order tells a rank that ran more
+        micro-steps than the others from other faults by it."""
+        root = self.root
+        passes = root.__dict__.setdefault("passes", {0: 0})    # (a Comm-like without __init__)
+        k = max(passes)
+        if phase == "forward" and root._phase != "forward":
+            passes[k] += 1
+        elif phase == "step" and root._phase != "step" and passes[k]:
+            passes[k + 1] = 0
+            passes.pop(k - 8, None)
+        root._phase = phase
 
     @contextlib.contextmanager
     def phase(self, name: str):

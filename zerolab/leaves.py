@@ -66,3 +66,19 @@ def group_blocks(model: torch.nn.Module, blocks: list) -> list:
             seen.add(id(m))
             out.append((name, m))
     return out
+
+
+def holders(model: torch.nn.Module, units) -> dict[str, str]:
+    """{unit name: class name of the layer that holds its block} - the class to pass to
+    set_leaf_modules when those blocks run in a varying order (`zerolab.order`'s advice). A
+    container (ModuleList, ModuleDict, Sequential) is looked through to the layer above it."""
+    parent = {id(c): m for m in model.modules() for c in m.children()}
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+    out = {}
+    for u in units:
+        up = parent.get(id(u.modules[0])) if getattr(u, "modules", None) else None
+        while isinstance(up, containers) and id(up) in parent:
+            up = parent[id(up)]
+        if up is not None and up is not model:
+            out[u.name] = type(up).__name__
+    return out

@@ -37,8 +37,10 @@ import torch
 
 from .guards import (adopt_edits, check_edits, check_step, check_sync_grads, claim_grads,
                      fingerprint, sync_module_states)
+from .leaves import holders
 from .optim import (adam_state, clip_grad_norm_, make_flat_optimizer, optimizer_states,
                     set_adam_state)
+from .order import confirm
 from .sharding import (GradReady, bucket_numel, build_units, check_all_used, check_trainable,
                        fp32_grads, global_used, grad_copies, write_back)
 
@@ -76,6 +78,7 @@ class Strategy:
         self.handles, self.inflight, self.sync, self.fresh = [], [], True, False
         self.phase_set = False              # _enter_forward set the ledger's phase
         self.units = self.build_units(model, bucket_mb)
+        comm.root.parents.update(holders(model, self.units))   # named in zerolab.order's advice
         for u in self.units:
             self.hold(u)
         self.optimizer = self.make_optimizer(**adamw)
@@ -197,6 +200,7 @@ class Strategy:
         Returns the global gradient norm (fp32 scalar, the same on every rank). RuntimeError
         (one line) without a synchronising backward since the last step (`guards.check_step`)."""
         check_step(self.sync, self.fresh)
+        confirm(self.comm, "step()")        # every rank steps here, after as many micro-steps
         self.fresh = False
         with self.comm.phase("step"):
             self._adopt_edits()

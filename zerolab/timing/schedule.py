@@ -61,6 +61,7 @@ class RecordingComm(Comm):
         self.records = parent.records if parent is not None else []
         self.tier, self.children, self.backend, self.link = tier, [], "recording", None
         self._step, self._phase, self._pending, self.waiting = 0, "setup", [], []
+        self.passes, self.parents = {0: 0}, {}
 
     def node_comms(self, k: int):
         """(intra, inter): rank 0's node (ranks 0..k-1) and its peers across nodes (0, k, ...)."""

@@ -38,6 +38,7 @@ import functools
 import torch
 
 from ..guards import is_placeholder, sync_module_states
+from ..leaves import MARK
 from ..loopstep import LoopStepZeRO3, replaced, reshard_unit, shard_unit
 from ..sharding import ROOT, FlatUnit
 from .backward import Backward, cast_floats, in_backward
@@ -202,6 +203,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     inner = list(dict.fromkeys(                     # earlier calls inside: distinct, in order
         m.__dict__["_zerolab_fsdp"] for top in modules for m in top.modules()
         if id(m) not in group and m.__dict__.get("_zerolab_fsdp") is not None))
+    _check_leaves(modules, inner)
     if comm is None:
         comm = inner[0].comm if inner else LedgerComm(process_group)
     inside = {id(x) for s in inner for m in s.modules for x in m.modules()}
@@ -287,6 +289,22 @@ def _modules_of(module) -> list:
         modules = [m for m in modules
                    if not any(id(m) in w and m is not o for o, w in zip(modules, within))]
     return modules
+
+
+def _check_leaves(modules, inner):
+    """ValueError (one line) when an earlier call sharded blocks inside a leaf module
+    (zerolab.set_leaf_modules: the layer whose blocks run in a varying order is one unit)."""
+    sharded = {id(m) for s in inner for m in s.modules}
+    for top in modules:
+        for name, leaf in top.named_modules():
+            if not getattr(leaf, MARK, False) or id(leaf) in sharded:
+                continue
+            within = [n for n, m in leaf.named_modules() if n and id(m) in sharded]
+            if within:
+                raise ValueError(
+                    f"fully_shard was called on {', '.join(within)} inside {name or 'the root'} "
+                    f"({type(leaf).__name__}), which set_leaf_modules made one unit: call "
+                    f"fully_shard on the {type(leaf).__name__} itself, not on the blocks in it")
 
 
 def _names(modules) -> str:
