@@ -5,9 +5,10 @@ fully_shard, stepped by torch.optim.Adafactor - is refused on every rank before 
 changes anything (and, with the check bypassed, shown to be what the check prevents: a result
 far from single-process torch); so are Muon, a made-up LAMB-like subclass, a param-group list
 mixing shards with a replicated parameter, and an optimizer built before fully_shard.
-zerolab.torchlike.Adafactor (zerolab/factored.py) on the same MLP and on the course's GPT
-equals single-process torch.optim.Adafactor on the whole batch (fp32, <= 1e-6), and its ledger
-carries exactly 4 (2 P + Σ_2-D (C_i + 1)) bytes a step, the module's formula.
+zerolab.torchlike.Adafactor (zerolab/factored.py) on the same MLP (7 output rows: uneven), on
+a model with a 3-D convolution weight and on the course's GPT equals single-process
+torch.optim.Adafactor on the whole batch (fp32, <= 1e-6), and its ledger carries exactly
+4 (2 P + Σ_2-D (C_i + 1)) bytes a step, the module's formula; over layout "flat" it is refused.
 """
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def mlp() -> nn.Module:
                          nn.Linear(32, 7))
 
 
+def conv() -> nn.Module:
+    torch.manual_seed(0)                        # a 3-D weight [6, 4, 3]: factored over [4, 3]
+    return nn.Sequential(nn.Conv1d(4, 6, 3), nn.ReLU(), nn.Flatten(), nn.Linear(36, 7))
+
+
+
+
 def gpt() -> nn.Module:
     torch.manual_seed(0)
     return GPT(get_config("nano"))
@@ -42,6 +50,8 @@ def batch(kind, step, rows=None):
     g = torch.Generator().manual_seed(100 + step)
     if kind == "mlp":
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 7, generator=g)
+    elif kind == "conv":
+        x, y = torch.randn(8, 4, 8, generator=g), torch.randn(8, 7, generator=g)
     else:
         x = torch.randint(0, 256, (4, 32), generator=g)
         y = torch.randint(0, 256, (4, 32), generator=g)
@@ -49,18 +59,18 @@ def batch(kind, step, rows=None):
 
 
 def loss_of(kind, model, x, y):
-    return F.mse_loss(model(x), y) if kind == "mlp" else model(x, y)
+    return model(x, y) if kind == "gpt" else F.mse_loss(model(x), y)
 
 
 def shard(kind, model, tl):
-    for m in (model[::2] if kind == "mlp" else model.blocks):
+    for m in (model.blocks if kind == "gpt" else model[:1] if kind == "conv" else model[::2]):
         tl.fully_shard(m)
     return tl.fully_shard(model)
 
 
 def train(kind, model, opt, rank=None, steps=STEPS):
     for step in range(steps):
-        per = 8 // N if kind == "mlp" else 4 // N
+        per = 4 // N if kind == "gpt" else 8 // N
         rows = slice(None) if rank is None else slice(rank * per, (rank + 1) * per)
         loss_of(kind, model, *batch(kind, step, rows)).backward()
         opt.step()
@@ -68,10 +78,13 @@ def train(kind, model, opt, rank=None, steps=STEPS):
 
 
 def reference(kind, cls=torch.optim.Adafactor):
-    model = (mlp if kind == "mlp" else gpt)()
+    model = MODELS[kind]()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     train(kind, model, cls(model.parameters(), **KW))
     return init, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+MODELS = {"mlp": mlp, "conv": conv, "gpt": gpt}
 
 
 class LambLike(torch.optim.SGD):
@@ -119,7 +132,7 @@ def refused(rank, what, tl):
 
 def exact(rank, kind, tl):
     """zerolab.torchlike.Adafactor on the shards: final full weights and the ledger's stats."""
-    model = shard(kind, (mlp if kind == "mlp" else gpt)(), tl)
+    model = shard(kind, MODELS[kind](), tl)
     opt = tl.Adafactor(model.parameters(), **KW)
     shapes = [tuple(p._zerolab_full_shape) for p in model.parameters()]
     local = [tuple(p.shape) for p in model.parameters()]
@@ -140,8 +153,19 @@ def unchecked(rank, tl):
     return {"state": {k: v.clone() for k, v in model.full_state_dict().items()}}
 
 
+def flat(rank, tl):
+    """zerolab.torchlike.Adafactor over shards of layout "flat": refused at construction."""
+    model = mlp()
+    tl.fully_shard(model, layout="flat")
+    try:
+        tl.Adafactor(model.parameters(), **KW)
+    except ValueError as e:
+        return {"raised": str(e)}
+    return {"raised": None}
+
+
 CASES = [("refused", w) for w in ("adafactor", "muon", "lamb", "mixed", "before")] + [
-    ("exact", "mlp"), ("exact", "gpt"), ("unchecked",)]
+    ("exact", "mlp"), ("exact", "conv"), ("exact", "gpt"), ("unchecked",), ("flat",)]
 
 
 def worker(rank, n, cases):
@@ -152,7 +176,8 @@ def worker(rank, n, cases):
     for case in cases:
         try:
             out[case] = (refused(rank, case[1], tl) if case[0] == "refused" else
-                         exact(rank, case[1], tl) if case[0] == "exact" else unchecked(rank, tl))
+                         exact(rank, case[1], tl) if case[0] == "exact" else
+                         flat(rank, tl) if case[0] == "flat" else unchecked(rank, tl))
         except Exception:  # noqa: BLE001 - reported by the test that reads this case
             out[case] = {"error": traceback.format_exc()}
         dist.barrier()
@@ -184,7 +209,7 @@ def diff(a, b) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("kind", ["mlp", "conv", "gpt"])
 def test_zerolab_adafactor_on_shards_is_torchs_adafactor(ranks, kind):
     init, ref = reference(kind)
     moved = diff(ref, init)
@@ -213,3 +238,8 @@ def test_torchs_adafactor_on_shards_is_what_the_check_prevents(ranks):
     init, ref = reference("mlp")
     for r in case_results(ranks, ("unchecked",)):
         assert diff(r["state"], ref) > 100 * TOL, diff(r["state"], ref)
+
+
+def test_zerolab_adafactor_refuses_flat_shards_in_one_line(ranks):
+    for r in case_results(ranks, ("flat",)):
+        assert r["raised"] and "\n" not in r["raised"] and "layout='dim0'" in r["raised"], r
