@@ -115,6 +115,8 @@ def refused(rank, what, tl):
         opt = torch.optim.Muon([p for p in params if p.dim() == 2], lr=0.02)
     elif what == "lamb":
         opt = LambLike(params, lr=0.01)
+    elif what == "zro":                         # sharding the shards again
+        opt = tl.ZeroRedundancyOptimizer(params, torch.optim.AdamW, comm=model.comm, lr=0.01)
     elif what == "mixed":                       # one group of shards, one of a plain parameter
         opt = torch.optim.Adafactor([{"params": [p for p in params if p is not ignored[0]]},
                                      {"params": ignored, "lr": 0.01}], **KW)
@@ -164,7 +166,7 @@ def flat(rank, tl):
     return {"raised": None}
 
 
-CASES = [("refused", w) for w in ("adafactor", "muon", "lamb", "mixed", "before")] + [
+CASES = [("refused", w) for w in ("adafactor", "muon", "lamb", "mixed", "before", "zro")] + [
     ("exact", "mlp"), ("exact", "conv"), ("exact", "gpt"), ("unchecked",), ("flat",)]
 
 
@@ -193,7 +195,8 @@ WORDS = {"adafactor": ("ValueError: Adafactor", "zerolab.torchlike.Adafactor"),
          "muon": ("ValueError: Muon", "DistributedDataParallel"),
          "lamb": ("ValueError: LambLike", "declare_elementwise"),
          "mixed": ("ValueError: Adafactor", "zerolab.torchlike.Adafactor"),
-         "before": ("RuntimeError: AdamW", "after fully_shard")}
+         "before": ("RuntimeError: AdamW", "after fully_shard"),
+         "zro": ("ValueError: ZeroRedundancyOptimizer", "torch.optim.AdamW")}
 
 
 @pytest.mark.parametrize("what", sorted(WORDS))

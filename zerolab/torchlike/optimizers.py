@@ -48,6 +48,11 @@ def check_step(optimizer, args, kwargs):
                            "since replaced by this rank's shards (it would step nothing): build "
                            "the optimizer after fully_shard, over model.parameters()")
     if any(getattr(p, "_zerolab_shard", False) for p in params):
+        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":   # torch's or zerolab's
+            raise ValueError("ZeroRedundancyOptimizer over fully_shard's shard parameters would "
+                             "shard them again, as if whole: fully_shard already gives each rank "
+                             "its own optimizer state; build the optimizer class itself over "
+                             "model.parameters() (e.g. torch.optim.AdamW)")
         why = refusal(type(optimizer), "fully_shard's shard parameters")
         if why is not None:
             raise ValueError(why)
