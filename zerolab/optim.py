@@ -267,6 +267,7 @@ ADVICE = {
                  "shards, with small all_reduces of its row/column sums and norms)",
     "Muon": "keep the model replicated (zerolab.torchlike.DistributedDataParallel) or use a "
             "distributed Muon layout (zerolab.muon)",
+    "SparseAdam": "use torch.optim.Adam or AdamW (its update where every entry has a gradient)",
 }
 
 
