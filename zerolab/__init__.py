@@ -14,7 +14,10 @@ the few modules they stand on, read in this order, each importing only those abo
     tiers       two tiers: a node's ranks and the ranks across nodes (their Comms, one ledger),
                 the hierarchical all_reduce, and the bytes per tier of ZeRO-3, HSDP and hpZ
     sharding    flat buffers, padding, owned ranges, buckets / blocks, gradient hooks
-    optim       torch's AdamW on flat shards (decay groups, parameters without a gradient)
+    optim       torch's AdamW on flat shards (decay groups, parameters without a gradient);
+                which torch optimizers may step a piece of a weight, and why (OPTIMIZERS)
+    factored    torch's Adafactor on dim-0 row shards: its row/column sums and norms
+                all-reduced, the cheap case of an optimizer that is not element-wise
     memory      measured bytes by category, peaks, allocator cross-check
     strategy    the frame the four stages share: build, backward, step, what a loop may read
     ddp, zero1, zero2, zero3   the stages, the notes' algorithm each: who holds what (hold),

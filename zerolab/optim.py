@@ -221,55 +221,133 @@ def make_flat_optimizer(units, sharded: bool, lr=3e-4, betas=(0.9, 0.95), eps=1e
                      master_rounding=master_rounding, rounding_seed=rounding_seed, rank=rank)
 
 
-# --- any torch optimizer on flat shards: only if its update is element-wise -------------------
-# ZeRO's flat layout gives rank r a contiguous range of a bucket's elements, which may start and
-# end inside a parameter: the optimizer sees pieces of weights. That is exact for an optimizer
-# whose update of each element reads only that element's weight, gradient and state (and the
-# step count): these, as torch implements them (their foreach / fused paths included).
-ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
-    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
-    "ASGD", "Rprop") if hasattr(torch.optim, n))
-# ... and these read a whole tensor (or all of them) to update one element
-WHOLE_TENSOR = {
-    "Adafactor": "its second moment is factored into the row and column means of each 2-D weight",
-    "Muon": "it orthogonalises each 2-D update as a whole matrix (Newton-Schulz)",
-    "LBFGS": "its quasi-Newton step and line search use all parameters at once",
-    "SparseAdam": "it needs sparse gradients of whole embeddings",
+# --- which torch optimizers can step a piece of a tensor: the known list -----------------------
+# ZeRO gives rank r a piece of each weight: a contiguous range of a bucket's elements (flat
+# layout: ZeRO-1/2/3, ZeroRedundancyOptimizer) or some of its rows (fully_shard's "dim0"). A
+# rank's optimizer then sees pieces of weights. Its update is torch's only when each element's
+# new value reads that element's weight, gradient and state and the step count alone: then any
+# split gives the same numbers. Each torch.optim class of torch 2.13, by how its update reads
+# (tests/test_optimizer_table.py walks every Optimizer subclass in torch.optim, fails on one
+# missing here, and checks each claim by experiment: a split update against the whole).
+OPTIMIZERS: dict[str, tuple[str, str]] = {
+    "SGD": ("element-wise", "momentum buffer and Nesterov look-ahead per element"),
+    "Adam": ("element-wise", "moments per element; bias corrections from the step count"),
+    "AdamW": ("element-wise", "Adam's, with decoupled decay per element"),
+    "Adamax": ("element-wise", "exp_avg and the infinity norm's running max per element"),
+    "Adagrad": ("element-wise", "a running sum of squares per element"),
+    "Adadelta": ("element-wise", "running averages of squared gradients and updates per element"),
+    "RMSprop": ("element-wise", "squared-gradient (and centred) averages per element"),
+    "NAdam": ("element-wise", "Adam's moments; the momentum schedule from the step count"),
+    "RAdam": ("element-wise", "Adam's moments; the rectification from the step count"),
+    "ASGD": ("element-wise", "the average per element; eta and mu from the step count"),
+    "Rprop": ("element-wise", "a step size per element from the signs of its gradients"),
+    "Adafactor": ("whole-tensor", "its second moment is factored into the row and column means "
+                  "of each weight's squared gradient, and its step is scaled by the weight's RMS "
+                  "and clipped by the update's RMS, each over the whole tensor"),
+    "Muon": ("whole-tensor", "it orthogonalises each 2-D update as a whole matrix "
+             "(Newton-Schulz) and scales lr by the matrix's shape"),
+    "LBFGS": ("whole-tensor", "its quasi-Newton direction and step length are dot products and "
+              "norms over all parameters at once"),
+    "SparseAdam": ("sparse", "it needs sparse gradients (Adam on their entries) and refuses dense "
+                   "ones, which every zerolab shard's gradient is"),
+}
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n, (kind, _) in OPTIMIZERS.items()
+                    if kind == "element-wise" and hasattr(torch.optim, n))
+# whole-tensor optimizers of other libraries, known by class name (anywhere in an MRO)
+WHOLE_TENSOR = {n: why for n, (kind, why) in OPTIMIZERS.items() if kind != "element-wise"}
+WHOLE_TENSOR.update({
     "Lamb": "its trust ratio divides the norm of each whole weight by that of its update",
     "LAMB": "its trust ratio divides the norm of each whole weight by that of its update",
     "Shampoo": "its preconditioners are matrices built from each whole weight's gradient",
+})
+_DECLARED: set = set()      # classes a user declared element-wise (declare_elementwise)
+# what a whole-tensor optimizer's user can do instead, by class name
+ADVICE = {
+    "Adafactor": "use zerolab.torchlike.Adafactor (torch's arithmetic on fully_shard's dim-0 "
+                 "shards, with small all_reduces of its row/column sums and norms)",
+    "Muon": "keep the model replicated (zerolab.torchlike.DistributedDataParallel) or use a "
+            "distributed Muon layout (zerolab.muon)",
+    "SparseAdam": "use torch.optim.Adam or AdamW (its update where every entry has a gradient)",
 }
 
 
-def check_elementwise(optimizer_class, elementwise=None):
-    """Raise (one line) unless `optimizer_class` can run on flat shards. TypeError: not a
-    torch.optim.Optimizer class. ValueError: a whole-tensor optimizer (WHOLE_TENSOR, by class
-    name anywhere in its MRO: why it is refused), or one zerolab cannot vouch for - not one of
-    ELEMENTWISE, or a subclass that overrides step() - unless elementwise=True says so.
-    elementwise=False refuses any."""
+def update_kind(optimizer_class) -> tuple[str, str]:
+    """(kind, why) of a torch.optim.Optimizer class's update: "element-wise", "whole-tensor",
+    "sparse" (`OPTIMIZERS`, matched by class name along the MRO) or "unknown" (a class zerolab
+    cannot vouch for: not in the table, or a subclass that overrides step()). A class given to
+    `declare_elementwise` is "element-wise"."""
+    if optimizer_class in _DECLARED:
+        return "element-wise", "declared element-wise (zerolab.optim.declare_elementwise)"
+    if any(optimizer_class.step is base.step for base in ELEMENTWISE):
+        base = next(b for b in ELEMENTWISE if optimizer_class.step is b.step)
+        return "element-wise", OPTIMIZERS[base.__name__][1]
+    for cls in optimizer_class.__mro__:
+        if cls.__name__ in WHOLE_TENSOR:
+            kind = OPTIMIZERS.get(cls.__name__, ("whole-tensor",))[0]
+            return kind, WHOLE_TENSOR[cls.__name__]
+    return "unknown", ("zerolab cannot tell whether its update is element-wise (each element's "
+                       "new value reads only that element's weight, gradient and state)")
+
+
+def declare_elementwise(optimizer_class):
+    """Vouch that `optimizer_class`'s update is element-wise, so that it may step zerolab's
+    shards (fully_shard's parameters; ZeroRedundancyOptimizer's elementwise=True says the same
+    for one optimizer). A class the table knows to be whole-tensor: ValueError (one line).
+    Returns the class (usable as a decorator)."""
+    check_class(optimizer_class)
+    kind, why = update_kind(optimizer_class)
+    if kind in ("whole-tensor", "sparse"):
+        raise ValueError(f"{optimizer_class.__name__} is not element-wise: {why}")
+    _DECLARED.add(optimizer_class)
+    return optimizer_class
+
+
+def check_class(optimizer_class):
+    """TypeError (one line) unless `optimizer_class` is a torch.optim.Optimizer subclass."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         what = (f"an instance of {type(optimizer_class).__name__}"
                 if isinstance(optimizer_class, torch.optim.Optimizer) else repr(optimizer_class))
         raise TypeError(f"optimizer_class is {what}, not a torch.optim.Optimizer subclass (pass "
                         "the class, e.g. torch.optim.AdamW, and its arguments as keywords)")
+
+
+def refusal(optimizer_class, where: str) -> str | None:
+    """The one-line reason `optimizer_class` may not step pieces of weights `where` (e.g.
+    "fully_shard's shard parameters"), with what to do instead; None when it may (element-wise,
+    declared, or a class that steps zerolab's shards itself: `zerolab_shard_aware = True`)."""
+    if getattr(optimizer_class, "zerolab_shard_aware", False):
+        return None
+    kind, why = update_kind(optimizer_class)
+    if kind == "element-wise":
+        return None
+    name = optimizer_class.__name__
+    if kind == "unknown":
+        return (f"{name} cannot step {where}: {why}; if it is, call "
+                f"zerolab.optim.declare_elementwise({name}) first, or use one of "
+                + ", ".join(c.__name__ for c in ELEMENTWISE))
+    base = next((c.__name__ for c in optimizer_class.__mro__ if c.__name__ in WHOLE_TENSOR), name)
+    advice = ADVICE.get(base, "keep the model replicated (zerolab.torchlike."
+                        "DistributedDataParallel) or use an element-wise optimizer such as AdamW")
+    return (f"{name} cannot step {where}: {why}, and a rank holds only a piece of each weight; "
+            f"{advice}")
+
+
+def check_elementwise(optimizer_class, elementwise=None):
+    """Raise (one line) unless `optimizer_class` can run on flat shards. TypeError: not a
+    torch.optim.Optimizer class. ValueError: a whole-tensor or sparse optimizer (`OPTIMIZERS`,
+    `WHOLE_TENSOR`: by class name anywhere in its MRO; elementwise=True cannot overrule it), or
+    one zerolab cannot vouch for - not element-wise by the table, or a subclass that overrides
+    step() - unless elementwise=True says so. elementwise=False refuses any."""
+    check_class(optimizer_class)
     if elementwise not in (None, True, False):
         raise ValueError(f"elementwise {elementwise!r} must be None, True or False")
-    name = optimizer_class.__name__
-    for cls in optimizer_class.__mro__:
-        if cls.__name__ in WHOLE_TENSOR and elementwise is not True:
-            raise ValueError(
-                f"{name} cannot run on ZeRO's flat shards: {WHOLE_TENSOR[cls.__name__]}, and a "
-                "rank holds only a contiguous range of elements that may split a weight; keep "
-                "it unsharded (DDP) or give each rank whole parameters")
-    if elementwise is True:
-        return
-    vouched = any(optimizer_class.step is base.step for base in ELEMENTWISE)
-    if elementwise is False or not vouched:
-        raise ValueError(
-            f"{name}: zerolab cannot tell whether its update is element-wise (each element's "
-            "new value reads only that element's weight, gradient and state); pass "
-            "elementwise=True if it is, or use one of "
-            + ", ".join(c.__name__ for c in ELEMENTWISE))
+    kind, _ = update_kind(optimizer_class)
+    if kind in ("whole-tensor", "sparse") or (kind == "unknown" and elementwise is not True):
+        raise ValueError(refusal(optimizer_class, "ZeRO's flat shards").replace(
+            "call zerolab.optim.declare_elementwise(" + optimizer_class.__name__ + ") first",
+            "pass elementwise=True"))
+    if elementwise is False:
+        raise ValueError(f"{optimizer_class.__name__}: elementwise=False refuses it")
 
 
 # --- the clipping norm, and one unit's AdamW state out and in (zerolab.run.checkpoint) -------

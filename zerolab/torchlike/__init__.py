@@ -13,6 +13,7 @@ collective in the ledger `wrapper.comm.records` and every byte countable (`held_
     FSDP2 reshard_after_forward=False                  fully_shard(..., False)      ZeRO-2's
                                                                                     weights
     torch.distributed.fsdp.MixedPrecisionPolicy         MixedPrecisionPolicy
+    torch.optim.Adafactor (on FSDP2's shards)          Adafactor                    (exact)
 
 DeepSpeed's names for the same: `zero_optimization.stage` 1 / 2 / 3, `reduce_bucket_size`
 (bucket_cap_mb), `stage3_prefetch_bucket_size` (prefetch), `GatheredParameters`
@@ -30,12 +31,19 @@ parameters to ranks, so it runs only optimizers whose update is element-wise and
 others in one line (`zerolab.optim.check_elementwise`), and its state_dict() without a
 consolidation is this rank's own (torch's raises); fully_shard keeps frozen parameters
 replicated (FSDP2 shards them too), and frees the root's weights after a forward without grad
-(FSDP2 keeps them to the next backward).
+(FSDP2 keeps them to the next backward). The loop's optimizer over fully_shard's shards must be
+element-wise (`zerolab.optim.OPTIMIZERS`): another (Adafactor, Muon, LBFGS, a class zerolab
+cannot vouch for) is refused in one line at its first step on every rank (`optimizers.py`: the
+shards are plain tensors, so torch's class would compute over each rank's rows alone);
+`Adafactor` here is torch's Adafactor on the dim-0 shards, exact, with two small all_reduces a
+step (`zerolab.factored`).
 """
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from .held import held_bytes
+from .optimizers import Adafactor
 from .zero_optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "fully_shard",
-           "MixedPrecisionPolicy", "FSDPModule", "register_fsdp_forward_method", "held_bytes"]
+           "MixedPrecisionPolicy", "FSDPModule", "register_fsdp_forward_method", "held_bytes",
+           "Adafactor"]

@@ -12,7 +12,8 @@ layout "dim0" - FSDP2's: rank r holds rows [r*ceil(d0/N), ...) of every paramete
 DeepSpeed's and FSDP1's: the unit's elements end to end, split in N ranges), and every place the
 module held a parameter now holds this rank's shard: an nn.Parameter (shape: its rows x the
 rest for "dim0", a 1-D piece for "flat") that is a view of the unit's master shard. A torch
-optimizer built afterwards over model.parameters() steps those shards in place. The outermost
+optimizer built afterwards over model.parameters() steps those shards in place: an element-wise
+one (another is refused at its first step: optimizers.py; zerolab.torchlike.Adafactor runs). The outermost
 call builds zerolab's ZeRO-3 for a loop that steps (zerolab.loopstep.LoopStepZeRO3) over every unit: forward gathers a unit in
 param_dtype just before its module runs and frees it after (reshard_after_forward=True); the
 loop's loss.backward() gathers again, reduce-scatters each unit's gradient as soon as it is
@@ -43,6 +44,7 @@ from ..loopstep import LoopStepZeRO3, replaced, reshard_unit, shard_unit
 from ..sharding import ROOT, FlatUnit
 from .backward import Backward, cast_floats, in_backward
 from .ledger import LedgerComm, one_ledger
+from .optimizers import install_step_check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,14 +248,20 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         unit.param_dtype = mp_policy.param_dtype
         shard_unit(unit, mp_policy.reduce_dtype, mp_policy.param_dtype)
         unit.shard_params = []
-        for (_, full), view in zip(params.values(), unit.shard_views(unit.master)):
+        for (_, full), view, shape in zip(params.values(), unit.shard_views(unit.master),
+                                          unit.shapes):
             shard = torch.nn.Parameter(view, requires_grad=True)
-            shard._zerolab_shard = True
+            shard._zerolab_shard, shard._zerolab_layout = True, layout    # (optimizers.py's
+            shard._zerolab_full_shape = torch.Size(shape)                    # step check and
+            full._zerolab_sharded_away = True                                # Adafactor)
             unit.shard_params.append(shard)
             unit.swap += [(m, attr, full, shard) for m, attr in places[id(full)]]
         for m, attr, _, shard in unit.swap:
             m._parameters[attr] = shard
     state = _State(comm, unit, mp_policy, modules)
+    for shard in (unit.shard_params if unit is not None else ()):
+        shard._zerolab_state = state
+    install_step_check()                    # the loop's optimizer: element-wise, or refused
     state.frozen = frozen if mp_policy.param_dtype is not None else []
     for m in modules:
         m._zerolab_fsdp = state

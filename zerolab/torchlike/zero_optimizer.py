@@ -34,7 +34,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     params: an iterable of tensors or of parameter-group dicts (each group's own lr,
     weight_decay, ... honoured). optimizer_class: a torch.optim.Optimizer class whose update is
     element-wise (SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, NAdam, RAdam, ASGD,
-    Rprop; elementwise=True vouches for another). **defaults: its keyword arguments.
+    Rprop; elementwise=True vouches for another, never for one `optim.OPTIMIZERS` knows to be
+    whole-tensor). **defaults: its keyword arguments.
     parameters_as_bucket_view: accepted; always True here (the parameters become views of the
     group's flat buffer). overlap_with_ddp=True is refused.
     process_group / comm: as DistributedDataParallel. Gradients must already be averaged over
