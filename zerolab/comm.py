@@ -422,10 +422,10 @@ class Comm:
 
     def bytes_by_op(self, step: int | None = None, what=("grads", "params")) -> dict[str, float]:
         """Per-rank ring bytes summed by op, for one step (or all) and the given `what` kinds."""
-        out = {op: 0.0 for op in theory.RING_FACTOR}
+        out = {op: 0.0 for op in theory.RING_FACTOR if op != "all_to_all"}   # + any other used
         for r in self.records:
             if (step is None or r.step == step) and r.what in what:
-                out[r.op] += r.bytes
+                out[r.op] = out.get(r.op, 0.0) + r.bytes
         return out
 
     def to_json(self) -> list[dict]:
