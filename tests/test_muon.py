@@ -214,6 +214,29 @@ def test_owners_are_torchs_and_imbalance_reported(ranks):
         assert res["imbalance"]["elements"] >= 1.0
 
 
+def test_the_7_5b_table_by_hand():
+    """7.5B GPT (36 blocks, d = 4096): Newton-Schulz a block = c_attn [3d, d] 5(12d³ + 2d³) +
+    attn_proj 5·6d³ + c_fc and mlp_proj 5(16d³ + 2d³) each = 280d³; replicate runs all of it on
+    every rank (63 copies redundant at N = 64), owner and a2a each matrix once."""
+    from zerolab.course.muontable import BIG, formula_rows
+    from zerolab.timing import hardware
+    rows = {r["layout"]: r for r in formula_rows(BIG, 64, hardware.get_link("ib-ndr"),
+                                                 hardware.get_device("h100"))}
+    total = 36 * 280 * 4096 ** 3
+    assert rows["replicate"]["ns_flops"] == total
+    assert rows["replicate"]["redundant_flops"] == 63 * total
+    assert rows["owner"]["redundant_flops"] == 0 == rows["a2a"]["redundant_flops"]
+    # replicate = DDP's ring bytes of Ψ fp32 (rows padded to a multiple of 64: < 0.1% more)
+    psi = 36 * (12 * 4096 ** 2 + 13 * 4096) + (50304 + 2048 + 2) * 4096
+    assert rows["replicate"]["bytes"] == pytest.approx(2 * 63 / 64 * psi * 4, rel=1e-3)
+
+
+def test_make_muon_refuses_an_unknown_layout():
+    from zerolab.compose import make_muon
+    with pytest.raises(ValueError, match="owner, a2a, replicate"):
+        make_muon([torch.zeros(2, 2)], "zero3")
+
+
 def test_a2a_refuses_an_optimizer_that_reads_the_weights():
     from zerolab.lamb import Lamb
     from zerolab.muon_a2a import MuonAllToAll

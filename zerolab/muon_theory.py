@@ -18,9 +18,10 @@ owner is rank r, L = max_r L_r.
                 Σ_{m not r's} s_m·b, all_to_all back (N-1)·Σ_{m r's} s_m·b,
                 all_gather params (N-1)·S·b                                     its own matrices
 
-With even owners (L = Ψ/N, S = Ψ/N) owner and replicate move DDP's 2(N-1)/N·Ψ·b and a2a adds
-2(N-1)/N·Ψ_muon·b on top of ZeRO-2's; an owner whose matrices are larger than the mean (L > Ψ/N:
-one big embedding) pads every rank's piece to its L, so imbalance costs bytes as well as time.
+With even owners (L = Ψ/N, S = Ψ/N) owner and replicate move DDP's 2(N-1)/N·Ψ·b, and a2a adds
+about 2(N-1)/N·Ψ_muon/N·b to ZeRO-2's (a rank routes only its own shards); an owner holding more
+than the mean (L > Ψ/N: one big embedding) pads every rank's piece to its L, so imbalance costs
+bytes and memory as well as time.
 
 Owners: greedy by size, as torch's ZeroRedundancyOptimizer (`_partition_parameters`): parameters
 largest first (stable), each to the rank holding the fewest elements so far (lowest rank on a
@@ -35,6 +36,10 @@ import math
 
 NS_STEPS = 5          # torch.optim.Muon's default ns_steps (DEFAULT_NS_STEPS)
 LAYOUTS = ("owner", "a2a", "replicate")
+# compose.make_muon's default: at 7.5B on 64 ranks a2a moves 2.4x fewer bytes than owner (no
+# padding to the largest owner), computes nothing twice (replicate: 56x the Newton-Schulz),
+# and holds the least (`python -m zerolab.course.muontable`)
+DEFAULT_LAYOUT = "a2a"
 
 
 def check_layout(layout: str) -> str:
