@@ -255,3 +255,23 @@ def test_lamb_matches_the_paper_by_hand():
     opt.step()
     step = 0.1 * 5 / 2 ** 0.5
     assert torch.allclose(x.detach(), torch.tensor([3 - step, 4 + step], dtype=torch.float64))
+
+
+def test_zerolab_time_gains_the_muon_rows(capsys):
+    """`zerolab time --muon` prints the three layouts' rows under the stages' table (in-process:
+    no launch), the same as muontable's for the same GPT; two tiers are refused in one line."""
+    from zerolab.cli.commands import main
+    from zerolab.course.muontable import BIG, formula_rows
+    from zerolab.timing import hardware
+    assert main(["time", "--params", "7.5e9", "--world-size", "64", "--blocks", "36",
+                 "--d-model", "4096", "--muon"]) == 0
+    out = capsys.readouterr().out
+    rows = {r["layout"]: r for r in formula_rows(BIG, 64, hardware.get_link("ib-ndr"),
+                                                 hardware.get_device("h100"))}
+    for layout in ("owner", "a2a", "replicate"):
+        line = next(x for x in out.splitlines() if x.startswith(f"{layout} "))
+        assert f"{rows[layout]['ns_flops']:.3g}" in line
+    from zerolab.course.muontable import time_table
+    topo = hardware.get_topology(8, "nvlink4", "ib-ndr", 64, None)
+    with pytest.raises(ValueError, match="one link"):
+        time_table(7.5e9, 64, 36, 4096, topo, hardware.get_device("h100"))

@@ -68,7 +68,7 @@ def modelled_seconds(layout, shapes, whole, groups, n, link, device, mfu=MFU, el
     return worst
 
 
-def formula_rows(cfg, n, link, device, elem_bytes=4) -> list[dict]:
+def formula_rows(cfg, n, link, device, elem_bytes=4, mfu=MFU) -> list[dict]:
     shapes, whole, groups = gpt_shapes(cfg)
     rows = []
     for layout in mt.LAYOUTS:
@@ -84,8 +84,23 @@ def formula_rows(cfg, n, link, device, elem_bytes=4) -> list[dict]:
                                                    n)) if layout != "replicate" else 1.0,
                      "held_bytes": max(p["state_bytes"] + p["buffer_bytes"] for p in per),
                      "seconds": modelled_seconds(layout, shapes, whole, groups, n, link, device,
-                                                 elem_bytes=elem_bytes)})
+                                                 mfu, elem_bytes)})
     return rows
+
+
+def time_table(psi, n, blocks, d_model, link, device, mfu=MFU) -> str:
+    """`zerolab time --muon`: the formula rows for a GPT of `blocks` blocks of width `d_model`
+    (None: from Ψ ≈ 12·L·d², as `zerolab time` does), vocabulary 50,304 tied, on one `link`
+    (a hardware.Link; ValueError for two tiers)."""
+    from ..timing.flops import shape_from_params
+    if not isinstance(link, hardware.Link):
+        raise ValueError("--muon prices the optimizer on one link: drop --ranks-per-node / "
+                         "--intra / --inter")
+    d = d_model or shape_from_params(psi, blocks)
+    cfg = GPTConfig(vocab_size=50304, block_size=2048, n_layer=blocks, n_head=1, n_embd=d)
+    return format_formula(f"distributed Muon, a GPT of {blocks} blocks of width {d}, N = {n}, "
+                          f"fp32 (muon_theory; {link.name}, {device.name} at MFU {mfu})",
+                          formula_rows(cfg, n, link, device, mfu=mfu))
 
 
 def _measure(rank, n, preset, steps, gbps, latency_us):
