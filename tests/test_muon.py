@@ -30,8 +30,9 @@ MUON = dict(lr=0.02, weight_decay=0.1)
 ADAMW = dict(lr=3e-3, weight_decay=0.01)
 LAYOUTS = {"owner": "MuonOwner", "a2a": "MuonAllToAll", "replicate": "MuonReplicate"}
 # (case, model, layout, whole-matrix optimizer)
-CASES = [(m, lay, "muon") for m in ("nano", "convmlp") for lay in LAYOUTS] + [
+CASES = [(m, lay, "muon") for m in ("nano", "convmlp", "convmlp-skip") for lay in LAYOUTS] + [
     ("convmlp", lay, opt) for opt in ("adafactor", "lamb") for lay in ("owner", "replicate")]
+SKIPPED = ("wide.weight", "conv.bias")     # convmlp-skip: no gradient on any rank at step 1
 
 
 class ConvMLP(nn.Module):
@@ -53,7 +54,7 @@ class ConvMLP(nn.Module):
 
 
 def build(name):
-    if name == "convmlp":
+    if name.startswith("convmlp"):
         torch.manual_seed(0)
         return ConvMLP()
     return make_model(name)
@@ -64,6 +65,15 @@ def batch(model, step, rows=2 * N):
         g = torch.Generator().manual_seed(100 + step)
         return torch.randn(rows, 3, 16, generator=g), torch.randint(0, 7, (rows,), generator=g)
     return global_batch(model, step, rows)
+
+
+def drop_grads(model, model_name, step):
+    """convmlp-skip: at step 1 two parameters (a Muon matrix, an AdamW bias) have no gradient
+    anywhere: torch skips them (no decay, no state update); so must every layout."""
+    if model_name == "convmlp-skip" and step == 1:
+        for name, p in model.named_parameters():
+            if name in SKIPPED:
+                p.grad = None
 
 
 def groups(model, opt):
@@ -98,6 +108,7 @@ def worker(rank, n, cases):
             comm.step = step
             x, y = batch(model, step)
             model(x[rank::n], y[rank::n]).backward()
+            drop_grads(model, model_name, step)
             opt.step()
             opt.zero_grad(set_to_none=True)
         last = [r for r in comm.records if r.step == STEPS - 1 and r.what in ("grads", "params")]
@@ -107,6 +118,26 @@ def worker(rank, n, cases):
         res = {"params": {k: v.detach().clone() for k, v in model.named_parameters()},
                "bytes": by_op, "costs": opt.costs(), "held": opt.held_bytes(),
                "owners": opt.owners, "ops": [(r.op, r.what) for r in last]}
+        # a gradient on one rank only is refused on every rank; the state reloads on its rank
+        model(*[t[rank::n] for t in batch(model, STEPS)]).backward()
+        if rank == 1:
+            next(model.parameters()).grad = None
+        try:
+            opt.step()
+        except RuntimeError as err:
+            res["refused"] = str(err)
+        again = classes[layout](groups(model, opt_name), whole_class(opt_name), comm=comm,
+                                **whole_kw(opt_name))
+        again.load_state_dict(opt.state_dict())
+        res["reloaded"] = again.state_dict() is not None and all(
+            torch.equal(a, b) for o1, o2 in ((opt.whole, again.whole),
+                                             (opt.fallback, again.fallback)) if o1 is not None
+            for s1, s2 in zip(o1.state.values(), o2.state.values())
+            for a, b in zip(s1.values(), s2.values()) if torch.is_tensor(a))
+        try:
+            again.load_state_dict({**opt.state_dict(), "zerolab_rank": 1 - rank})
+        except ValueError as err:
+            res["other_rank"] = str(err)
         if layout == "owner":
             res["imbalance"] = opt.imbalance()
             torch_zero = ZeroRedundancyOptimizer(
@@ -144,6 +175,7 @@ def reference(model_name, opt_name):
                 grads.append([p.grad.clone() for p in model.parameters()])
             for p, *gr in zip(model.parameters(), *grads):
                 p.grad = (gr[0] + gr[1]) / N
+            drop_grads(model, model_name, step)
             for o in opts:
                 o.step()
         return {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -168,6 +200,14 @@ def test_layout_equals_single_process_torch(ranks, case):
             assert moved > 0, f"{name} never moved: the comparison would prove nothing"
             assert torch.equal(got, want), (f"rank {rank} {case} {name}: max diff "
                                             f"{(got - want).abs().max():.3g}")
+
+
+def test_one_ranks_missing_gradient_is_refused_on_every_rank_and_state_reloads(ranks):
+    for case in CASES:
+        for rank, res in enumerate(r[case] for r in ranks):
+            assert "has a gradient on 1 of 2 ranks" in res.get("refused", ""), (case, rank)
+            assert res["reloaded"], (case, rank)
+            assert f"rank {1 - rank} of 2" in res.get("other_rank", ""), (case, rank)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])

@@ -89,6 +89,12 @@ class WholeOptimizer(torch.optim.Optimizer):
         self.hold()
         self._set_defaults()
 
+    def add_param_group(self, param_group):
+        if getattr(self, "params", None) is not None:
+            raise RuntimeError(f"{type(self).__name__}: add_param_group after construction is not "
+                               "supported (owners and buffers are laid out once): build a new one")
+        super().add_param_group(param_group)
+
     def _check(self):
         kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) > 1:
