@@ -315,3 +315,28 @@ def test_zerolab_time_gains_the_muon_rows(capsys):
     topo = hardware.get_topology(8, "nvlink4", "ib-ndr", 64, None)
     with pytest.raises(ValueError, match="one link"):
         time_table(7.5e9, 64, 36, 4096, topo, hardware.get_device("h100"))
+
+
+def test_lamb_matches_algorithm_2_over_steps():
+    """Three steps with weight decay and bias correction against Algorithm 2 written out in
+    float64 numpy (m, v, m̂, v̂, r, trust ratio ‖x‖/‖r + λx‖), on a [5, 3] tensor."""
+    import numpy as np
+
+    from zerolab.lamb import Lamb
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    grads = [torch.randn(5, 3, generator=g, dtype=torch.float64) for _ in range(3)]
+    lr, (b1, b2), eps, wd = 0.05, (0.9, 0.99), 1e-6, 0.1
+    x = x0.clone().requires_grad_(True)
+    opt = Lamb([x], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    xn, m, v = x0.numpy().copy(), np.zeros((5, 3)), np.zeros((5, 3))
+    for t, grad in enumerate(grads, 1):
+        x.grad = grad.clone()
+        opt.step()
+        gn = grad.numpy()
+        m, v = b1 * m + (1 - b1) * gn, b2 * v + (1 - b2) * gn * gn
+        r = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps) + wd * xn
+        xn = xn - lr * np.linalg.norm(xn) / np.linalg.norm(r) * r
+    np.testing.assert_allclose(x.detach().numpy(), xn, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="betas"):
+        Lamb([x], betas=(0.9, 1.0))
