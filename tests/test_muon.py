@@ -31,7 +31,8 @@ ADAMW = dict(lr=3e-3, weight_decay=0.01)
 LAYOUTS = {"owner": "MuonOwner", "a2a": "MuonAllToAll", "replicate": "MuonReplicate"}
 # (case, model, layout, whole-matrix optimizer)
 CASES = [(m, lay, "muon") for m in ("nano", "convmlp", "convmlp-skip") for lay in LAYOUTS] + [
-    ("convmlp", lay, opt) for opt in ("adafactor", "lamb") for lay in ("owner", "replicate")]
+    ("convmlp", lay, opt) for opt in ("adafactor", "lamb") for lay in ("owner", "replicate")] + [
+    ("nano", lay, "adafactor") for lay in ("owner", "replicate")]
 SKIPPED = ("wide.weight", "conv.bias")     # convmlp-skip: no gradient on any rank at step 1
 
 

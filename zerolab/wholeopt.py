@@ -20,7 +20,9 @@ Usage (after torch.distributed.init_process_group; every rank builds the same mo
 
 The loop does not average gradients itself (no DDP wrapper): `step()` reduces each rank's own
 `p.grad` (the mean over ranks is what a single process stepping the global batch would see) and
-leaves `p.grad` as the loop left it. Parameter groups: dicts with "params" and "use_muon" (True:
+leaves `p.grad` as the loop left it. Under a DDP wrapper the gradients arrive averaged already;
+averaging N equal copies again gives the same values (to rounding for N not a power of 2) but
+moves the gradient bytes twice: give these optimizers the plain model. Parameter groups: dicts with "params" and "use_muon" (True:
 the whole-matrix `optimizer_class`, False: the element-wise `fallback_class`), plus either
 class's hyperparameters (modded-nanogpt's MuonWithAuxAdam uses the same "use_muon" key). A
 parameter whose grad is None on every rank is skipped as torch skips it; None on some ranks
