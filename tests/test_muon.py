@@ -61,11 +61,20 @@ def build(name):
     return make_model(name)
 
 
-def batch(model, step, rows=2 * N):
+def batch(model, step, rows=6):
     if isinstance(model, ConvMLP):
         g = torch.Generator().manual_seed(100 + step)
         return torch.randn(rows, 3, 16, generator=g), torch.randint(0, 7, (rows,), generator=g)
     return global_batch(model, step, rows)
+
+
+def quantise(model):
+    """The N = 3 launch: every rank's gradients rounded to multiples of 2^-18 in [-1, 1] (a loop
+    may edit its gradients), so that any order of summing 3 of them is exact in fp32 (21 bits)
+    and the reference's sum is gloo's whatever order gloo's ring adds them in."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = torch.round(p.grad.clamp(-1, 1) * 2.0 ** 18) / 2.0 ** 18
 
 
 def drop_grads(model, model_name, step):
@@ -93,7 +102,7 @@ def whole_kw(opt):
     return {"muon": {}, "adafactor": dict(lr=0.01), "lamb": dict(lr=0.01, weight_decay=0.01)}[opt]
 
 
-def worker(rank, n, cases):
+def worker(rank, n, cases, quantised=False):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from zerolab import muon_a2a, muon_owner, muon_replicate
@@ -109,6 +118,8 @@ def worker(rank, n, cases):
             comm.step = step
             x, y = batch(model, step)
             model(x[rank::n], y[rank::n]).backward()
+            if quantised:
+                quantise(model)
             drop_grads(model, model_name, step)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -154,7 +165,7 @@ def worker(rank, n, cases):
     return out
 
 
-def reference(model_name, opt_name):
+def reference(model_name, opt_name, n=N, quantised=False):
     """Single process: the average of the ranks' gradients, torch's optimizers (Muon + AdamW,
     Adafactor, or the paper's Lamb) on the whole parameters."""
     threads = torch.get_num_threads()
@@ -170,12 +181,14 @@ def reference(model_name, opt_name):
         for step in range(STEPS):
             x, y = batch(model, step)
             grads = []
-            for r in range(N):
+            for r in range(n):
                 model.zero_grad(set_to_none=True)
-                model(x[r::N], y[r::N]).backward()
+                model(x[r::n], y[r::n]).backward()
+                if quantised:
+                    quantise(model)
                 grads.append([p.grad.clone() for p in model.parameters()])
             for p, *gr in zip(model.parameters(), *grads):
-                p.grad = (gr[0] + gr[1]) / N
+                p.grad = sum(gr[1:], gr[0]) / n
             drop_grads(model, model_name, step)
             for o in opts:
                 o.step()
@@ -209,6 +222,21 @@ def test_one_ranks_missing_gradient_is_refused_on_every_rank_and_state_reloads(r
             assert "has a gradient on 1 of 2 ranks" in res.get("refused", ""), (case, rank)
             assert res["reloaded"], (case, rank)
             assert f"rank {1 - rank} of 2" in res.get("other_rank", ""), (case, rank)
+
+
+CASES3 = [("convmlp", lay, "muon") for lay in LAYOUTS] + [("nano", "a2a", "muon")]
+
+
+def test_three_ranks_uneven_shards_and_owners():
+    """N = 3 (5, 7, 20 and 70 rows do not divide; 3 owners), quantised gradients: each layout
+    still equals one process bit for bit, and its ledger its formula."""
+    ranks3 = run_ranks(worker, 3, CASES3, True, timeout=240)
+    for case in CASES3:
+        expected = reference(case[0], case[2], 3, quantised=True)
+        for rank, res in enumerate(r[case] for r in ranks3):
+            for name, want in expected.items():
+                assert torch.equal(res["params"][name], want), (rank, case, name)
+            assert res["bytes"] == pytest.approx(res["costs"][rank]["bytes"], rel=1e-12)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
