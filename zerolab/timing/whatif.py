@@ -101,15 +101,17 @@ def fake_world(world_size: int, rank: int = 0):
 
 def rank_report(stage: int, model: torch.nn.Module, comm: Comm, *, precision="bf16",
                 tokens: int = 1, zero3_prefetch=False, zero1_grad_op="all_reduce",
-                bucket_mb: float | None = None) -> dict:
+                bucket_mb: float | None = None, **options) -> dict:
     """Run one training step of `stage` on `model` (meta or real) with `comm`; return what rank
     holds after the step (bytes by state), its peak within the step, and its ledger's bytes.
 
     tokens: the sequence length of the single row fed through (meta: no cost). bucket_mb:
-    gradient bucket cap in MiB for stages 0-2 (None: one bucket per block; stage 3 ignores it)."""
+    gradient bucket cap in MiB for stages 0-2 (None: one bucket per block; stage 3 ignores it).
+    options: further variants for `make_strategy` (hybrid, quantize, ...; zerolab.course.papers)."""
     kwargs = {"prefetch": zero3_prefetch} if stage == 3 else (
         {"grad_op": zero1_grad_op, "bucket_mb": bucket_mb} if stage == 1
         else {"bucket_mb": bucket_mb})
+    kwargs.update(options)
     meter = _MetaMeter()
     comm.records.clear()
     comm.step = 0
