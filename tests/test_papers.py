@@ -97,3 +97,6 @@ def test_the_command(built, monkeypatch, tmp_path, capsys):
     assert "fsdp-hybrid" in out and "why:" in out and "predict, then measure:" in out
     with pytest.raises(SystemExit):
         build_parser().parse_args(["papers", "--json", "--markdown"])
+    bad = build_parser().parse_args(["papers", "--out", str(tmp_path / "no" / "p.md")])
+    with pytest.raises(ValueError, match="does not exist"):
+        papertable.main(bad)

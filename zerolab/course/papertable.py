@@ -75,6 +75,8 @@ def to_json(rows: list[Row]) -> str:
 
 def main(args) -> int:
     """`zerolab papers [--json | --markdown] [--out F]`: build, print (or write) the table."""
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise ValueError(f"--out {args.out}: its folder {Path(args.out).parent} does not exist")
     t0 = time.perf_counter()
     rows = build()
     seconds = time.perf_counter() - t0

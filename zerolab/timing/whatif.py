@@ -24,6 +24,7 @@ one torch's own FSDP tests use for large worlds; it is private API and may move 
 """
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import torch
@@ -91,11 +92,13 @@ def fake_world(world_size: int, rank: int = 0):
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process; "
                                "whatif needs its own fake process group")
+        hook = sys.excepthook       # torch wraps it at every init ("[rank0]: " once more)
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             yield
         finally:
             dist.destroy_process_group()
+            sys.excepthook = hook
     return world()
 
 
