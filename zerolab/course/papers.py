@@ -343,11 +343,13 @@ def offload_rows() -> list[Row]:
         moved = sum(s.offload.step_bytes(0).values()) / sum(u.padded_numel for u in s.units)
         s.close()
     return [Row("offload-pcie", "bytes over PCIe per step, per parameter (L2L moves 28Ψ)",
-                "ZeRO-Offload, section 4.1 (communication volume 4M)", (4,),
+                "ZeRO-Offload, section 4 and Table 1 (the least CPU-GPU volume of any offload "
+                "strategy, 4M)", (4,),
                 (sum(offload.transfer_bytes(1.0, 1).values()),), (moved,), "bytes/param",
                 "zerolab's offload ledger (down + up), ZeRO-2 + --offload-optimizer on GPT nano, "
                 "one rank (the device emulated on the CPU)", 0.001,
-                rechecked=ISSUE + " (L2L's 28Ψ too)",
+                rechecked="4M checked against transcriptions of the paper's Table 1, not its PDF; "
+                          "L2L's 28Ψ as issue #34 quotes it",
                 question="At N = 8 ranks, bytes over each rank's PCIe per step per parameter?")]
 
 
