@@ -15,7 +15,8 @@
     exercises/  the coding exercises, `zerolab check`, the numeric questions
     testing     what the tests and the checker share: toy models, the torch reference, ranks
     papers      `zerolab papers`: each published number the course can check, next to zerolab's
-                prediction and this laptop's measurement, with a computed verdict; papertable
-                writes it as text, markdown (site/papers.md) or JSON
+                prediction and this laptop's measurement, with a computed verdict; papermeasure
+                takes the measurements (one step on a fake process group, two timings),
+                papertable writes the table as text, markdown (site/papers.md) or JSON
 It imports the lesson and the wings zerolab.run, zerolab.timing and zerolab.torchlike.
 """
