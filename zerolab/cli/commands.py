@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = pp.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="every row as JSON")
     fmt.add_argument("--markdown", action="store_true", help="the site's page (site/papers.md)")
-    pp.add_argument("--out", default=None, metavar="FILE", help="write to FILE instead of printing")
+    pp.add_argument("--out", default=None, metavar="FILE", help="write to FILE (default: print)")
 
     from ..run import slurm
     sl = sub.add_parser("slurm", formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -181,8 +181,8 @@ def zero_traffic() -> list[Row]:
         Row("zero-s7", "bytes sent per step over DDP's: P_os (reduce_scatter) / P_os+g / P_os+g+p",
             "ZeRO, section 7 (7.2.1, 7.2.2)", (1, 1, 1.5),
             (pred(1), pred(2), pred(3)), meas, "x", where, 0.001, rechecked=COURSE,
-            question="P_os+g+p with the backward's all_gather kept (zerolab train "
-                     "--zero3-keep-root keeps only the root): predict the ratio"),
+            question="P_os+g+p with 2 micro-steps of gradient accumulation: bytes per step "
+                     "over DDP's? (theory.traffic_bytes(grad_accum=2))"),
         Row("zero-s7-notes", "zerolab's default ZeRO-1 (the notes' all_reduce) over DDP",
             "ZeRO, section 7.2.1 (P_os: same volume as DDP)", (1,), (pred(1, "all_reduce"),),
             (notes,), "x", where, 0.001, rechecked=COURSE,
