@@ -252,14 +252,21 @@ def predict_notebook() -> nbformat.NotebookNode:
             "if not; `reveal(id)` gives the answer and how it is computed). The last questions "
             "are then measured on 2 gloo ranks, so you see your number appear in a real run.\n\n"
             "Question ids name the notebook they come from (`02.3` is about "
-            "`notebooks/02_memory.ipynb`; `pm` = this notebook's measurement)."),
+            "`notebooks/02_memory.ipynb`; `pp` = a disagreement of `zerolab papers`; `pm` = this "
+            "notebook's measurement)."),
         new_code_cell("from zerolab import nb\nfrom zerolab.course import checks\n"
                       "from zerolab.course.exercises import answer, reveal"),
     ]
     for qid, q in QUESTIONS.items():
+        if qid == "pp.1":
+            cells.append(new_markdown_cell(
+                "## The papers\n\n`zerolab papers` (the site's page *The papers, reproduced on a "
+                "laptop*) puts published numbers next to zerolab's prediction and a measurement. "
+                "Where they disagree, work out why: predict the number the ledger measures, then "
+                "write in one sentence where the paper's formula goes astray."))
         cells.append(new_markdown_cell(f"**{qid}.** {q.text}" + (f" ({q.unit})" if q.unit else "")))
         cells.append(new_code_cell(f'answer("{qid}", None)   # your prediction instead of None'))
-        if qid == "07.1":
+        if qid == "pp.2":
             cells.append(new_markdown_cell(
                 "## Measure\n\nGPT nano on 2 gloo ranks in bf16, DDP and ZeRO-3, 2 steps (about "
                 "10 s). Predict pm.1 - pm.3 first, then run the measurement below."))

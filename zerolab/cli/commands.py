@@ -1,5 +1,5 @@
 """The `zerolab` command: memory | time | whatif | train | compare | bench | labs | checkpoint |
-check | doctor | slurm.
+check | doctor | papers | slurm.
 
     zerolab memory --params 7.5e9 --world-size 64     # the ZeRO paper's table, from the formulas
     zerolab train --stage 2 --nproc 4                  # one stage under torchrun
@@ -215,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("doctor", "check this machine for the course (each line OK or the fix; < 30 s)")
 
+    pp = command("papers", "published numbers next to zerolab's prediction and this laptop's "
+                           "measurement, with a computed verdict (course/papers.py; < 1 min)")
+    fmt = pp.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="every row as JSON")
+    fmt.add_argument("--markdown", action="store_true", help="the site's page (site/papers.md)")
+    pp.add_argument("--out", default=None, metavar="FILE", help="write to FILE (default: print)")
+
     from ..run import slurm
     sl = sub.add_parser("slurm", formatter_class=argparse.RawDescriptionHelpFormatter,
                         help="a zerolab command on a Slurm cluster: train / compare across the "
@@ -393,6 +400,11 @@ def cmd_check(args) -> int:
     return cli_check(args)
 
 
+def cmd_papers(args) -> int:
+    from ..course import papertable
+    return papertable.main(args)
+
+
 def cmd_slurm(args) -> int:
     from ..run import slurm
     if args.print_script:
@@ -411,7 +423,7 @@ def cmd_doctor(args) -> int:
 COMMANDS = {"memory": cmd_memory, "time": cmd_time, "whatif": cmd_whatif, "bench": cmd_bench,
             "train": cmd_train, "compare": cmd_compare, "labs": cmd_labs,
             "checkpoint": cmd_checkpoint, "check": cmd_check, "doctor": cmd_doctor,
-            "slurm": cmd_slurm}
+            "papers": cmd_papers, "slurm": cmd_slurm}
 
 
 def main(argv=None) -> int:

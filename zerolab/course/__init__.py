@@ -14,5 +14,9 @@
                 metercost: what the memory meter costs
     exercises/  the coding exercises, `zerolab check`, the numeric questions
     testing     what the tests and the checker share: toy models, the torch reference, ranks
+    papers      `zerolab papers`: each published number the course can check, next to zerolab's
+                prediction and this laptop's measurement, with a computed verdict; papermeasure
+                takes the measurements (one step on a fake process group, two timings),
+                papertable writes the table as text, markdown (site/papers.md) or JSON
 It imports the lesson and the wings zerolab.run, zerolab.timing and zerolab.torchlike.
 """

@@ -24,6 +24,7 @@ one torch's own FSDP tests use for large worlds; it is private API and may move 
 """
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import torch
@@ -91,25 +92,29 @@ def fake_world(world_size: int, rank: int = 0):
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process; "
                                "whatif needs its own fake process group")
+        hook = sys.excepthook       # torch wraps it at every init ("[rank0]: " once more)
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             yield
         finally:
             dist.destroy_process_group()
+            sys.excepthook = hook
     return world()
 
 
 def rank_report(stage: int, model: torch.nn.Module, comm: Comm, *, precision="bf16",
                 tokens: int = 1, zero3_prefetch=False, zero1_grad_op="all_reduce",
-                bucket_mb: float | None = None) -> dict:
+                bucket_mb: float | None = None, **options) -> dict:
     """Run one training step of `stage` on `model` (meta or real) with `comm`; return what rank
     holds after the step (bytes by state), its peak within the step, and its ledger's bytes.
 
     tokens: the sequence length of the single row fed through (meta: no cost). bucket_mb:
-    gradient bucket cap in MiB for stages 0-2 (None: one bucket per block; stage 3 ignores it)."""
+    gradient bucket cap in MiB for stages 0-2 (None: one bucket per block; stage 3 ignores it).
+    options: further variants for `make_strategy` (hybrid, quantize, ...; zerolab.course.papers)."""
     kwargs = {"prefetch": zero3_prefetch} if stage == 3 else (
         {"grad_op": zero1_grad_op, "bucket_mb": bucket_mb} if stage == 1
         else {"bucket_mb": bucket_mb})
+    kwargs.update(options)
     meter = _MetaMeter()
     comm.records.clear()
     comm.step = 0

@@ -9,7 +9,8 @@ formula it tests cannot drift apart. `answer(qid, value)` prints whether the val
     answer("02.3", 14)          # -> right: ...
     reveal("02.3")
 
-Question ids: "NN.k" = notebook NN's k-th question; "pm.k" = notebooks/exercises/predict_then_measure.
+Question ids: "NN.k" = notebook NN's k-th question; "pp.k" = a disagreement of `zerolab papers`
+(site/papers.md); "pm.k" = notebooks/exercises/predict_then_measure.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from ... import theory
+from ... import theory, tiers
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class Question:
     how: str                       # how it is computed (shown by reveal)
     unit: str = ""
     rel: float = 0.01              # accepted relative error (0: exact integer)
+
+
+def _hsdp_cross_host(w: int, g: int) -> float:
+    """HSDP's cross-host bytes per GPU a step in M (the gradient bytes): the ledger's ring."""
+    return tiers.hybrid_traffic_bytes(1.0, w, g, "hsdp")["inter"]["all_reduce"] / 2
 
 
 def _pm_psi_padded(stage_n=2) -> int:
@@ -59,6 +65,18 @@ QUESTIONS: dict[str, Question] = {
                      lambda: sum(theory.traffic_bytes(1e9, 8, 3).values())
                      / sum(theory.traffic_bytes(1e9, 8, 0).values()),
                      "3(n-1)/n·2Ψ / (2(n-1)/n·2Ψ) = 1.5 (theory.traffic_bytes)", "x"),
+    "pp.1": Question("The FSDP paper puts hybrid sharding's cross-host traffic at 2M(W-1)/(GW) per "
+                     "GPU (M: the gradient bytes); zerolab's ledger measures less (site/papers.md, "
+                     "row fsdp-hybrid). W = 8 GPUs in hosts of G = 4: each GPU's 1/G shard is "
+                     "all-reduced by a ring through the W/G hosts. Predict the ledger's bytes per "
+                     "GPU, in M",
+                     lambda: _hsdp_cross_host(8, 4),
+                     "a ring of W/G ranks all-reduces M/G bytes: 2(W/G-1)/(W/G)·M/G = 2M(W-G)/(GW) "
+                     "= 0.25M (tiers.hybrid_traffic_bytes); the paper's W-1 should be W-G", "M"),
+    "pp.2": Question("The same at W = 64, G = 8: the paper's formula divided by the ledger's?",
+                     lambda: 2 * 63 / (8 * 64) / _hsdp_cross_host(64, 8),
+                     "(W-1)/(W-G) = 63/56: the paper's formula and the ring meet as W/G grows",
+                     "x"),
     "pm.1": Question("GPT nano, 2 gloo ranks, bf16: bytes ONE rank sends in one DDP step (the "
                      "gradients' all_reduce), at the padded Ψ?",
                      lambda: sum(theory.traffic_bytes(_pm_psi_padded(), 2, 0).values()),
