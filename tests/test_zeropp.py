@@ -53,6 +53,31 @@ def test_formulas_by_hand_and_the_papers_limit():
         tiers.zeropp_traffic_bytes([s], N, K, grads="fp8")
 
 
+def test_cost_model_replays_zeropp_on_the_same_groups():
+    """costmodel.step_time(hybrid="hpz", two_hop_grads=True) (lab 8's ZeRO++ variant) issues the
+    gradients' two hops on the node's ranks and across: ring bytes by group equal the formula."""
+    from zerolab.timing import costmodel as cm, hardware
+    n, k, s = 8, 4, 256 * 10                           # s a rank's chunk: whole blocks of 256
+    topo = hardware.get_topology(k, "nvlink4", "ib-ndr", n)
+    units = [cm.Unit(f"block.{i}", n * s, 1e-3, 2e-3) for i in range(3)]
+    width = {"params": theory.quantized_bytes(256, 8, 256) / 256,
+             "grads": theory.quantized_bytes(256, 4, 256) / 256}
+    st = cm.step_time(3, units, n, topo, prefetch=1, clip=False, hybrid="hpz",
+                      bytes_per_param=width, two_hop_grads=True)
+    got = {}
+    for c in st.collectives:
+        for leg in c.legs:
+            group = "world" if leg.n == n else leg.tier
+            ops = got.setdefault(group, {})
+            ops[leg.op] = ops.get(leg.op, 0.0) + theory.RING_FACTOR[leg.op](leg.n) * leg.size_bytes
+    want = tiers.zeropp_traffic_bytes([s] * 3, n, k, block=256)
+    assert got.keys() == want.keys()
+    for group, ops in want.items():
+        assert got[group] == pytest.approx(ops, rel=1e-12), group
+    with pytest.raises(ValueError, match="two_hop_grads is qgZ with hybrid 'hpz'"):
+        cm.step_time(3, units, n, topo, hybrid="hsdp", two_hop_grads=True)
+
+
 def test_quantize_with_hsdp_is_refused_with_advice():
     from zerolab.compose import make_strategy
     from zerolab.run import options

@@ -11,6 +11,7 @@ variant is a real `zerolab train` run of ZeRO-3 on N ranks in nodes of K:
     hpZ          --hybrid hpz: the backward's gathers inside the node, from secondary shards
     qwZ          --quantize-weights int8: flat, each gather carries int8 codes + fp32 scales
     qwZ+qgZ      ... and the gradient reduce_scatter as an all_to_all of int4 codes
+    ZeRO++       hpZ + qwZ + qgZ, qgZ in two hops (inside the node, then across)
 
 and one more, "compute", flat ZeRO-3 with no emulated link: its step time is this machine's
 compute (plus gloo's own time) with N ranks sharing the cores. The model's units
@@ -18,7 +19,8 @@ compute (plus gloo's own time) with N ranks sharing the cores. The model's units
 `costmodel.step_time` replays every variant on the emulated Topology. Per variant `table` gives
 the measured step time (median, min-max of the slowest rank; the first step and the last,
 measured one, left out), the model's, their ratio, the ledger's bytes per rank per tier next to
-the formula (`tiers.hybrid_traffic_bytes`, `theory.quantized_traffic_bytes`), the model states
+the formula (`tiers.hybrid_traffic_bytes`, `theory.quantized_traffic_bytes`,
+`tiers.zeropp_traffic_bytes`), the model states
 per rank (measured = formula) with hpZ's secondary shards, and the final loss against flat
 ZeRO-3's (HSDP sums in another order; qwZ / qgZ round).
 
@@ -39,7 +41,8 @@ from ..timing import costmodel, hardware
 
 VARIANTS = {"ZeRO-3": {}, "HSDP": {"hybrid": "hsdp"}, "hpZ": {"hybrid": "hpz"},
             "qwZ": {"quantize_weights": "int8"},
-            "qwZ+qgZ": {"quantize_weights": "int8", "quantize_grads": "int4"}}
+            "qwZ+qgZ": {"quantize_weights": "int8", "quantize_grads": "int4"},
+            "ZeRO++": {"hybrid": "hpz", "quantize_weights": "int8", "quantize_grads": "int4"}}
 INTRA, INTER = "2@20", "0.005@500"      # Gb/s @ us: inside a node 400x the link between nodes
 
 
@@ -92,7 +95,8 @@ def _model_kwargs(name: str) -> dict:
     per = {state: theory.quantized_bytes(b, theory.QUANT_BITS[spec[key]], b) / b
            for state, key in (("params", "quantize_weights"), ("grads", "quantize_grads"))
            if spec.get(key)}
-    return {"hybrid": spec.get("hybrid"), "bytes_per_param": per or None}
+    return {"hybrid": spec.get("hybrid"), "bytes_per_param": per or None,
+            "two_hop_grads": spec.get("hybrid") == "hpz" and bool(spec.get("quantize_grads"))}
 
 
 def measured_tiers(r0: dict) -> dict[str, dict[str, float]]:
