@@ -16,9 +16,11 @@ Figures:
                           measurements next to the two-tier model with its NICs per node (one
                           ring per NIC: zerolab.timing.collectives.flat_leg); tests/test_nics.py
                           holds the model to the same figures
+  two_tiers.png           two nodes of 4 GPUs with a NIC each: a flat ring as NCCL runs it (one
+                          ring per NIC) next to a hierarchical collective's rings inside and across
 
 Notebook 02 calls `memory_by_stage` and `zero_stages` to draw the same figures inline; notebook 03
-shows ring_allreduce.png, notebook 13 nics_busbw.png. Every function returns a matplotlib Figure and saves nothing itself.
+shows ring_allreduce.png, notebook 13 nics_busbw.png and two_tiers.png. Every function returns a matplotlib Figure and saves nothing itself.
 """
 from __future__ import annotations
 
@@ -247,12 +249,87 @@ def nics_busbw():
     return fig
 
 
+def two_tiers(k: int = 4, m: int = 2):
+    """Two tiers as NCCL runs them: m nodes of k GPUs, NVLink inside a node, a NIC per GPU, and
+    a switch between the nodes. Left, a flat collective through all N = k·m ranks (ZeRO-3's
+    all_gather): NCCL runs one ring per NIC, ring c entering a node through GPU c's NIC, crossing
+    NVLink through the node and leaving through GPU c-1's (two of the k rings drawn), so a GPU
+    sends 1/k of its ring bytes over a NIC. Right, a hierarchical collective (HSDP's gradient):
+    a ring of k inside each node (reduce_scatter), then rings of m across, one per local index,
+    each through its own NIC (all_reduce); ZeRO++'s two-hop qgZ uses the same two groups."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+    gap = k + 1.2                                   # node a's GPU l sits at x = a·gap + l
+
+    def hardware(ax):
+        for a in range(m):
+            x0 = a * gap
+            ax.add_patch(Rectangle((x0 - 0.5, 1.55), k, 1.75, fill=False, ec="0.3", lw=1.2))
+            ax.text(x0 - 0.45, 3.2, f"node {a}: NVLink inside", fontsize=9, va="top")
+            for l in range(k):
+                ax.add_patch(Rectangle((x0 + l - 0.3, 1.8), 0.6, 0.45, fc="0.92", ec="0.3"))
+                ax.text(x0 + l, 2.02, f"GPU\n{a * k + l}", ha="center", va="center", fontsize=8)
+                ax.add_patch(Rectangle((x0 + l - 0.22, 0.75), 0.44, 0.3, fc="white", ec="0.5",
+                                       zorder=3))             # the rings pass through it
+                ax.text(x0 + l, 0.9, "NIC", ha="center", va="center", fontsize=8, zorder=4)
+                ax.plot([x0 + l, x0 + l], [0.75, 0.35], color="0.75", lw=1, zorder=0)
+        ax.add_patch(Rectangle((-0.5, 0.05), (m - 1) * gap + k, 0.3, fc="0.85", ec="0.5"))
+        ax.text(((m - 1) * gap + k - 1) / 2, 0.2, "switch (InfiniBand)", ha="center",
+                va="center", fontsize=8)
+        ax.set_xlim(-0.7, (m - 1) * gap + k - 0.3)
+        ax.set_ylim(-0.05, 3.9)
+        ax.axis("off")
+
+    def nvlink(ax, x1, x2, color, ls, rad):
+        ax.annotate("", (x2, 2.25), (x1, 2.25), arrowprops=dict(
+            arrowstyle="-|>", color=color, ls=ls, lw=1.6, shrinkA=2, shrinkB=2,
+            connectionstyle=f"arc3,rad={rad}"))
+
+    def across(ax, x1, x2, color, ls, dy, both=False):   # GPU -> NIC -> switch -> NIC -> GPU
+        y = 0.5 + dy
+        ax.plot([x1, x1, x2, x2], [1.8, y, y, 1.8], color=color, ls=ls, lw=1.6)
+        for x in (x2, x1) if both else (x2,):
+            ax.annotate("", (x, 1.8), (x, 1.6), arrowprops=dict(arrowstyle="-|>", color=color,
+                                                                lw=1.6))
+
+    blue, green, red = (COLLECTIVE_COLORS[op] for op in ("all_gather", "reduce_scatter",
+                                                          "all_reduce"))
+    ax = axes[0]
+    hardware(ax)
+    for c, ls, rad, dx, dy in ((0, "-", -0.5, -0.07, 0.05), (2, "--", -0.35, 0.07, -0.08)):
+        for a in range(m):
+            x0 = a * gap
+            order = [(c + i) % k for i in range(k)]
+            for l1, l2 in zip(order, order[1:]):
+                nvlink(ax, x0 + l1, x0 + l2, blue, ls, rad if l2 > l1 else -rad / 3)
+            nxt = ((a + 1) % m) * gap
+            across(ax, x0 + order[-1] + dx, nxt + c + dx, blue, ls, dy + 0.08 * a)
+    ax.set_title(f"flat all_gather through all {k * m} GPUs: one ring per NIC\n(ring 0 solid, "
+                 f"ring 2 dashed; {k} rings in all)", fontsize=10)
+    ax.text(-0.5, 3.75, "a GPU sends 1/k of its ring bytes over its NIC, (k-1)/k over NVLink",
+            fontsize=9, va="top")
+    ax = axes[1]
+    hardware(ax)
+    for a in range(m):
+        x0 = a * gap
+        for l in range(k):
+            nvlink(ax, x0 + l, x0 + (l + 1) % k, green, "-", -0.5 if l < k - 1 else 0.25)
+    for l in range(k):
+        across(ax, l, gap + l, red, "-", 0.06 * (l - (k - 1) / 2) - 0.02, both=True)
+    ax.set_title(f"two tiers: reduce_scatter inside each node (rings of k = {k}),\nthen "
+                 f"all_reduce across (rings of m = {m}, one per NIC)", fontsize=10)
+    ax.text(-0.5, 3.75, "HSDP's gradient; ZeRO++'s two-hop qgZ uses the same two groups",
+            fontsize=9, va="top")
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = {
     "memory_7p5b_n64.png": lambda: memory_by_stage(7.5e9, 64),
     "memory_7p5b_n8.png": lambda: memory_by_stage(7.5e9, 8),
     "zero_stages.png": lambda: zero_stages(7.5e9, 4),
     "ring_allreduce.png": lambda: ring_allreduce(4),
     "nics_busbw.png": nics_busbw,
+    "two_tiers.png": two_tiers,
 }
 
 

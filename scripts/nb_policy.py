@@ -7,8 +7,11 @@ output is deterministic (formula tables, byte counts, group layouts) are tagged
 in CI. Cells that draw are tagged `figure` and keep their image/png outputs only (the picture of
 the CPU reference run, rendered by scripts/nb_figures.py, which also checks that every drawing
 cell has one; nbval never compares images); their text outputs (the `<Figure ...>` repr,
-progress lines) are dropped unless the cell is also tagged `nbval-check-output`. Every other
-cell is committed without outputs (nbval --nbval-lax only runs it). Execution counts and
+progress lines) are dropped unless the cell is also tagged `nbval-check-output`. Cells tagged
+`keep-output` print what a reader needs to see without running (a table of losses) but whose last
+digits depend on the machine: they keep the CPU reference run's outputs for reading, and nbval
+--nbval-lax does not compare them. Every other cell is committed without outputs (nbval
+--nbval-lax only runs it). Execution counts and
 kernel-run metadata are removed everywhere; a cell that keeps outputs gets execution count 1.
 
     python scripts/nb_policy.py notebooks/*.ipynb labs/*.ipynb          # rewrite in place
@@ -19,6 +22,7 @@ import sys
 
 TAG = "nbval-check-output"
 FIGURE_TAG = "figure"           # keeps its image/png outputs (scripts/nb_figures.py renders them)
+KEEP_TAG = "keep-output"        # kept for reading, not compared (machine-specific digits)
 NO_FIGURE_TAG = "no-figure"     # draws, by its code, but shows nothing on the CPU reference run
 
 
@@ -44,7 +48,7 @@ def clean(nb: dict) -> dict:
         # nbval refuses a reference cell that has outputs but no execution_count ("Unrun
         # reference cell has outputs"), so a kept cell gets a fixed count of 1.
         tags = cell["metadata"].get("tags", [])
-        if TAG not in tags:
+        if TAG not in tags and KEEP_TAG not in tags:
             cell["outputs"] = _figure_only(cell["outputs"]) if FIGURE_TAG in tags else []
         cell["execution_count"] = 1 if TAG in tags or cell["outputs"] else None
         for out in cell["outputs"]:

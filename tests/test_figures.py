@@ -72,7 +72,7 @@ def test_one_colour_per_collective_everywhere():
 
 
 @pytest.mark.parametrize("name", ["memory_7p5b_n64.png", "memory_7p5b_n8.png", "zero_stages.png",
-                                  "ring_allreduce.png", "nics_busbw.png"])
+                                  "ring_allreduce.png", "nics_busbw.png", "two_tiers.png"])
 def test_course_images_fonts(name):
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_images

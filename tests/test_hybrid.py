@@ -165,8 +165,8 @@ def test_cli_refuses_bad_hybrid_options_in_one_line():
     from zerolab.run import options
     cases = [(["--stage", "2", "--hybrid", "hsdp"], "run it with --stage 3"),
              (["--stage", "3", "--hybrid", "hsdp", "--ranks-per-node", "3"], "do not divide"),
-             (["--stage", "3", "--hybrid", "hpz", "--quantize-weights", "int8"],
-              "--quantize-weights"),
+             (["--stage", "3", "--hybrid", "hsdp", "--quantize-weights", "int8"],
+              "--quantize-weights .*: ZeRO\\+\\+ \\(hpZ \\+ qwZ \\+ qgZ\\) is --hybrid hpz"),
              (["--stage", "3", "--hybrid", "hsdp", "--save-every", "2"], "--save-every")]
     for argv, says in cases:
         args = options.parse("train", argv)

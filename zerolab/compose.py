@@ -17,6 +17,9 @@ asks it.
     quantize         3      a quant.Quantize (or dict): quant.quantized_comm   quant.py
     hybrid           3      "hsdp" / "hpz" (with ranks_per_node): HSDP / HpZ   hybrid.py
 
+quantize with hybrid "hpz" is ZeRO++ whole (hpZ + qwZ + qgZ, qgZ in two hops); with "hsdp" it is
+refused (HSDP's collectives stay inside a node except one all_reduce).
+
 Every other option (max_grad_norm, find_unused_parameters, grad_dtype, bucket_mb, meter, AdamW's)
 goes to the stage as it is (`strategy.Strategy`). A variant option given to a stage that has no
 such variant raises ValueError (one line) naming it and the stages that take it.
@@ -83,9 +86,11 @@ def make_strategy(stage: int, model, comm, *, grad_op="all_reduce", gather=DEFAU
     variants the options ask for (module docstring). Returns the strategy; its `options` say
     what was built. ValueError (one line) for a bad value or a variant the stage has not."""
     quantize = Quantize.of(quantize)
-    if quantize is not None and (stage != 3 or hybrid is not None):
-        raise ValueError("quantize is ZeRO-3's (stage 3) without hybrid sharding, not stage "
-                         f"{stage}'s{' with hybrid ' + repr(hybrid) if hybrid else ''}")
+    if quantize is not None and stage != 3:
+        raise ValueError(f"quantize is ZeRO-3's (stage 3), not stage {stage}'s")
+    if quantize is not None and hybrid == "hsdp":
+        raise ValueError("quantize does not go with hybrid 'hsdp' (its gathers and reduce_scatters "
+                         "stay inside a node): use hybrid 'hpz' (ZeRO++: hpZ + qwZ + qgZ)")
     if (hybrid is None) != (ranks_per_node is None):
         raise ValueError("hybrid and ranks_per_node go together (ZeRO-3 by node: zerolab.hybrid)")
     cls = strategy_class(stage, grad_op=grad_op, gather=gather, offload=offload,

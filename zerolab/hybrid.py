@@ -15,7 +15,9 @@ ZeRO-3's per-block traffic inside a node of k ranks (m = N/k nodes; `zerolab.tie
   sharded over all N ranks (16Ψ/N), and the forward's all_gather still crosses nodes; but after a
   block's forward each rank keeps a secondary shard, its 1/k of the full weights among its node's
   k ranks (2Ψ/k bytes in all from forward into backward), and the block's backward all_gather runs
-  inside the node from those. One of ZeRO-3's three crossings a step moves inside.
+  inside the node from those. One of ZeRO-3's three crossings a step moves inside. With ZeRO++'s
+  quantized collectives (zerolab.quant: qwZ's int8 forward gather, qgZ's int4 gradients in two
+  hops, one all_to_all a tier) it is ZeRO++ as the paper builds it: `tiers.zeropp_traffic_bytes`.
 
 Skeleton: both are ZeRO3 with its hooks overridden - `diff` shows nothing else changes: who is
 in the shard group (HSDP's __init__), what one more collective does to a reduced shard (HSDP's
@@ -26,8 +28,9 @@ to them and both strategies to single-process torch AdamW.
     python -m zerolab train --stage 3 --nproc 4 --hybrid hsdp --ranks-per-node 2 \\
         --intra 1@20 --inter 0.1@200
 
-Not supported (refused in one line): HSDP with find_unused_parameters, sharded checkpoints of
-HSDP (its shards are a node's, not the world's); torchlike.fully_shard's reshard_after_forward=int.
+Not supported (refused in one line): HSDP with find_unused_parameters or quantized collectives,
+sharded checkpoints of HSDP (its shards are a node's, not the world's);
+torchlike.fully_shard's reshard_after_forward=int.
 """
 from __future__ import annotations
 
@@ -103,6 +106,8 @@ class HpZ(ZeRO3):
     def __init__(self, model, comm, *, ranks_per_node: int, **kwargs):
         self.hybrid = ("hpz", ranks_per_node)
         self.intra, self.inter = node_comms(ranks_per_node, comm)
+        if hasattr(comm, "by_node"):    # quantized (ZeRO++ qwZ / qgZ): qgZ in two hops, by tier
+            comm.by_node(self.intra, self.inter)
         super().__init__(model, comm, **kwargs)
         self.k = ranks_per_node
         for u in self.units:

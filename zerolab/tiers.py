@@ -14,7 +14,9 @@ the world Comm's ledger, each record tagged with its tier. From them:
   over `inter`; hpZ gathers the backward's weights over `intra` from a secondary shard.
 
 `hybrid_traffic_bytes` and `hybrid_state_bytes` are their per-rank bytes by group, the formulas the
-ledger is held to (tests/test_hybrid.py); `hybrid_link_bytes` turns them into bytes per NIC and
+ledger is held to (tests/test_hybrid.py); `zeropp_traffic_bytes` is ZeRO++ whole (hpZ + qwZ +
+qgZ in two hops) and `cross_node_bytes` what leaves a node, the paper's 3M -> 0.75M
+(`zeropp_cross_node_in_m`: its finite-N form, tests/test_zeropp.py); `hybrid_link_bytes` turns them into bytes per NIC and
 per GPU on the intra link, with NCCL's one ring per NIC (a flat ring sends 1/k of a GPU's ring
 bytes over the node's NICs). The time of each tier is the cost model's
 (`zerolab.timing.collectives`: flat_leg, hierarchical_all_reduce) and the emulator's
@@ -181,6 +183,87 @@ def hybrid_state_bytes(psi: float, world_size: int, ranks_per_node: int, kind: s
                                    grad_dtype=grad_dtype)
     per = theory.bytes_per_param(precision, grad_dtype)
     return {**out, "secondary_params": psi * per["params"] / k if kind == "hpz" else 0.0}
+
+
+# --- ZeRO++ as the paper builds it: hpZ + qwZ + qgZ (two hops), and the bytes that leave a node --
+def zeropp_traffic_bytes(shard_numels, world_size: int, ranks_per_node: int,
+                         weights: str | None = "int8", grads: str | None = "int4",
+                         block: int = 256, hpz: bool = True, precision: str = "bf16",
+                         grad_accum: int = 1,
+                         grad_dtype: str | None = None) -> dict[str, dict[str, float]]:
+    """Per-rank ring bytes of one step of ZeRO-3 with ZeRO++'s parts, by group
+    ("world", "intra", "inter"; `hybrid_traffic_bytes`' keys) and op, from the units' padded shard
+    sizes s_u = Ψ_u/N in elements (blocks restart in every chunk, as `theory.quantized_bytes`).
+    weights "int8" (qwZ) or None (bf16), grads "int8"/"int4" (qgZ) or None, hpz: the backward
+    gathers inside the node (zerolab.hybrid.HpZ; qgZ then runs in two hops). W(s), Q(s): bytes of
+    a weight / gradient chunk of s values (quantized, or s·2 in bf16); N = k·m:
+
+        world  all_gather   (N-1)·ΣW(s_u) for the forward, the same again for the backward
+                            without hpZ
+        intra  all_gather   hpZ's backward, bf16 from the secondary shards: (k-1)/k·N·Σ2s_u
+        grads  hpZ + qgZ    intra reduce_scatter (k-1)·m·ΣQ(s_u) (hop 1), inter (m-1)·ΣQ(s_u)
+                            (hop 2: `quant.reduce_scatter_two_hop`)
+               otherwise    world reduce_scatter (N-1)·ΣQ(s_u) (a ring, or qgZ's one all_to_all)
+
+    each of them grad_accum times (A micro-steps, each reducing: zerolab train's accumulation).
+
+    The ledger of `make_strategy(3, ..., quantize=..., hybrid="hpz")` meets them exactly
+    (tests/test_zeropp.py). ValueError for a format other than None / int8 / int4 or a k that
+    does not divide N."""
+    n = theory.check_world_size(world_size)
+    k, m = _node_split(n, ranks_per_node)
+    per, a = theory.bytes_per_param(precision, grad_dtype), grad_accum
+
+    def chunk_bytes(fmt, plain):            # one chunk of every unit, summed
+        if fmt is not None and fmt not in theory.QUANT_BITS:
+            raise ValueError(f"{fmt!r} is not one of None, "
+                             f"{', '.join(map(repr, theory.QUANT_BITS))}")
+        return sum(theory.quantized_bytes(s, theory.QUANT_BITS[fmt], block) if fmt
+                   else s * plain for s in shard_numels)
+    w, q = chunk_bytes(weights, per["params"]), chunk_bytes(grads, per["grads"])
+    out = {"world": {"all_gather": a * (1 if hpz else 2) * (n - 1) * w}}
+    if hpz:
+        out["intra"] = {"all_gather": a * (k - 1) / k * n * per["params"] * sum(shard_numels)}
+    if hpz and grads is not None:
+        out["intra"]["reduce_scatter"] = a * (k - 1) * m * q
+        out["inter"] = {"reduce_scatter": a * (m - 1) * q}
+    else:
+        out["world"]["reduce_scatter"] = a * (n - 1) * q
+    return out
+
+
+def cross_node_bytes(by_group: dict[str, dict[str, float]], ranks_per_node: int) -> float:
+    """Bytes that leave one node a step, summed over its NICs, from per-rank ring bytes by group
+    (a ledger's, summed by tier, or `hybrid_traffic_bytes` / `zeropp_traffic_bytes`): a "world"
+    ring (W a rank) is NCCL's one ring per NIC, each leaving the node once, so the node sends W
+    across (`hybrid_link_bytes`); an "inter" group (E a rank, one rank per node) sends k·E;
+    "intra" stays inside. Divide by the NICs for a NIC's bytes. This is the count the ZeRO++
+    paper's 3M -> 0.75M is in (M = 2Ψ, the fp16 model): flat ZeRO-3 sends 3(N-1)/N·M.
+    A "world" record that is not a ring, qgZ's one-hop all_to_all (ZeRO-3 + qgZ without hpZ),
+    sends k(N-k)·Q a node, not its ring count (N-1)·Q: k times the two hops' (m-1)·k·Q."""
+    k = ranks_per_node
+    total = {g: sum(ops.values()) for g, ops in by_group.items()}
+    return total.get("world", 0.0) + k * total.get("inter", 0.0)
+
+
+def zeropp_cross_node_in_m(world_size: int, ranks_per_node: int,
+                           block: int | None = None) -> dict[str, float]:
+    """Bytes leaving a node a step (`cross_node_bytes`) in units of M = 2Ψ, the fp16 model, for
+    flat ZeRO-3 and for ZeRO++ (hpZ + qwZ int8 + qgZ int4 in two hops), with N = k·m ranks and
+    Ψ/N a multiple of `block` (None: no scales, the paper's count):
+
+        ZeRO-3   3(N-1)/N                                  -> 3      (the paper's 3M)
+        ZeRO++   (N-1)/N·(1/2 + 2/B) + (m-1)/m·(1/4 + 2/B)  -> 0.75   (the paper's 0.75M)
+
+    qwZ's forward gather (N-1)/N·M/2, hpZ's backward gather none, qgZ's second hop (m-1)/m·M/4
+    (one node sum per chunk crosses, not the k ranks' own). The paper's 3M -> 0.75M is the
+    limit N, m -> infinity; at N = 4, k = 2: 2.25M -> 0.5M; at N = 64, k = 8: 2.95M -> 0.711M
+    (B = 256: 0.510M, 0.725M). Source: Wang et al. 2023, arXiv:2306.10209, sections 3-4."""
+    n = theory.check_world_size(world_size)
+    k, m = _node_split(n, ranks_per_node)
+    scale = 0.0 if block is None else 2 / block
+    return {"zero3": 3 * (n - 1) / n,
+            "zero++": (n - 1) / n * (0.5 + scale) + (m - 1) / m * (0.25 + scale)}
 
 
 def _node_split(n: int, k) -> tuple[int, int]:

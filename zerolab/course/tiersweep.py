@@ -11,6 +11,7 @@ variant is a real `zerolab train` run of ZeRO-3 on N ranks in nodes of K:
     hpZ          --hybrid hpz: the backward's gathers inside the node, from secondary shards
     qwZ          --quantize-weights int8: flat, each gather carries int8 codes + fp32 scales
     qwZ+qgZ      ... and the gradient reduce_scatter as an all_to_all of int4 codes
+    ZeRO++       hpZ + qwZ + qgZ, qgZ in two hops (inside the node, then across)
 
 and one more, "compute", flat ZeRO-3 with no emulated link: its step time is this machine's
 compute (plus gloo's own time) with N ranks sharing the cores. The model's units
@@ -18,7 +19,8 @@ compute (plus gloo's own time) with N ranks sharing the cores. The model's units
 `costmodel.step_time` replays every variant on the emulated Topology. Per variant `table` gives
 the measured step time (median, min-max of the slowest rank; the first step and the last,
 measured one, left out), the model's, their ratio, the ledger's bytes per rank per tier next to
-the formula (`tiers.hybrid_traffic_bytes`, `theory.quantized_traffic_bytes`), the model states
+the formula (`tiers.hybrid_traffic_bytes`, `theory.quantized_traffic_bytes`,
+`tiers.zeropp_traffic_bytes`), the model states
 per rank (measured = formula) with hpZ's secondary shards, and the final loss against flat
 ZeRO-3's (HSDP sums in another order; qwZ / qgZ round).
 
@@ -33,13 +35,14 @@ from pathlib import Path
 
 import torch
 
-from .. import quant, theory
+from .. import quant, theory, tiers
 from ..model import GPT, get_config
 from ..timing import costmodel, hardware
 
 VARIANTS = {"ZeRO-3": {}, "HSDP": {"hybrid": "hsdp"}, "hpZ": {"hybrid": "hpz"},
             "qwZ": {"quantize_weights": "int8"},
-            "qwZ+qgZ": {"quantize_weights": "int8", "quantize_grads": "int4"}}
+            "qwZ+qgZ": {"quantize_weights": "int8", "quantize_grads": "int4"},
+            "ZeRO++": {"hybrid": "hpz", "quantize_weights": "int8", "quantize_grads": "int4"}}
 INTRA, INTER = "2@20", "0.005@500"      # Gb/s @ us: inside a node 400x the link between nodes
 
 
@@ -92,7 +95,8 @@ def _model_kwargs(name: str) -> dict:
     per = {state: theory.quantized_bytes(b, theory.QUANT_BITS[spec[key]], b) / b
            for state, key in (("params", "quantize_weights"), ("grads", "quantize_grads"))
            if spec.get(key)}
-    return {"hybrid": spec.get("hybrid"), "bytes_per_param": per or None}
+    return {"hybrid": spec.get("hybrid"), "bytes_per_param": per or None,
+            "two_hop_grads": spec.get("hybrid") == "hpz" and bool(spec.get("quantize_grads"))}
 
 
 def measured_tiers(r0: dict) -> dict[str, dict[str, float]]:
@@ -157,6 +161,63 @@ def format_table(rows: list[dict]) -> str:
             f"{r['median_s'] / r['model_s']:>7.2f}{kb['world']:>10.1f}{kb['intra']:>10.1f}"
             f"{kb['inter']:>10.1f}{str(r['bytes_exact']):>9}{r['states'] / 1e3:>10.1f}"
             f"{r['secondary'] / 1e3:>8.1f}{r['loss_vs_flat']:>+11.2e}")
+    return "\n".join(lines)
+
+
+# --- ZeRO++ whole (hpZ + qwZ + qgZ in two hops): the bytes that leave a node, from the ledger ----
+ZEROPP = {"hybrid": "hpz", "quantize": {"weights": "int8", "grads": "int4"}}
+
+
+def zeropp_cross_node(worlds=((4, 2), (8, 4), (64, 8)), preset: str = "nano") -> list[dict]:
+    """For each (N, k): one training step of flat ZeRO-3 and of ZeRO++ (`ZEROPP`) on rank 0 of a
+    fake world of N ranks in nodes of k (`whatif.fake_world`, the model on the meta device: the
+    ledger's bytes without the arithmetic), and the bytes that leave a node
+    (`tiers.cross_node_bytes`) in M = 2Ψ (the model in bf16, Ψ padded), next to the formula at the
+    run's shard sizes (`tiers.zeropp_traffic_bytes`) and its closed form
+    (`tiers.zeropp_cross_node_in_m`, no scales: the paper's count)."""
+    from ..comm import Comm
+    from ..compose import make_strategy
+    from ..timing import whatif
+    cfg, rows = get_config(preset), []
+    for n, k in worlds:
+        row = {"N": n, "k": k}
+        for name, opts in (("zero3", {}), ("zero++", dict(ZEROPP, ranks_per_node=k))):
+            with whatif.fake_world(n):
+                comm = Comm()
+                with torch.device("meta"):
+                    model = GPT(cfg).bfloat16()
+                s = make_strategy(3, model, comm, **opts)
+                x = torch.zeros(1, cfg.block_size, dtype=torch.long, device="meta")
+                s.backward(s.forward(x, x))
+                s.step()
+                by = {}
+                for r in comm.records:
+                    if r.what in ("grads", "params"):
+                        by.setdefault(r.tier or "world", {}).setdefault(r.op, 0.0)
+                        by[r.tier or "world"][r.op] += r.bytes
+                shards = [u.shard_numel for u in s.units]
+                m_bytes = 2 * n * sum(shards)
+                s.close()
+            q = ZEROPP["quantize"]
+            want = (tiers.zeropp_traffic_bytes(shards, n, k, q["weights"], q["grads"])
+                    if name == "zero++" else tiers.hybrid_traffic_bytes(n * sum(shards), n, k))
+            row[name] = tiers.cross_node_bytes(by, k) / m_bytes
+            row[name + " formula"] = tiers.cross_node_bytes(want, k) / m_bytes
+            row[name + " closed"] = tiers.zeropp_cross_node_in_m(n, k)[name]
+        rows.append(row)
+    return rows
+
+
+def format_zeropp(rows: list[dict]) -> str:
+    """The rows as text, in M; the paper's limit last."""
+    lines = [f"{'N':>4}{'k':>3}{'ZeRO-3 ledger':>15}{'formula':>9}{'ZeRO++ ledger':>15}"
+             f"{'formula':>9}{'no scales':>11}{'ZeRO-3 / ZeRO++':>17}"]
+    for r in rows:
+        lines.append(f"{r['N']:>4}{r['k']:>3}{r['zero3']:>14.4f}M{r['zero3 formula']:>8.4f}M"
+                     f"{r['zero++']:>14.4f}M{r['zero++ formula']:>8.4f}M{r['zero++ closed']:>10.4f}M"
+                     f"{r['zero3'] / r['zero++']:>16.2f}x")
+    lines.append(f"{'N, m -> inf':<11}{3:>10.4f}M{'':>33}{0.75:>10.4f}M{4:>16.2f}x"
+                 "   (the paper: 3M -> 0.75M)")
     return "\n".join(lines)
 
 

@@ -93,14 +93,19 @@ def hybrid(args, world_size: int, stages: list[int] | None = None) -> tuple[str,
     if k < 1 or world_size % k:
         raise ValueError(f"--hybrid {kind}: {k} ranks per node do not divide the world size "
                          f"{world_size} (set --ranks-per-node)")
-    given = [f for f, on in (("--quantize-weights", getattr(args, "quantize_weights", None)),
-                             ("--quantize-grads", getattr(args, "quantize_grads", None)),
+    given = [f for f, on in (("--quantize-weights", kind == "hsdp"
+                              and getattr(args, "quantize_weights", None)),
+                             ("--quantize-grads", kind == "hsdp"
+                              and getattr(args, "quantize_grads", None)),
                              ("--find-unused-parameters",
                               kind == "hsdp" and getattr(args, "find_unused_parameters", False)),
                              ("--save-every", kind == "hsdp" and getattr(args, "save_every", None)
                               is not None),
                              ("--resume", kind == "hsdp" and getattr(args, "resume", None)))
              if on]
+    if given and given[0].startswith("--quantize"):
+        raise ValueError(f"--hybrid hsdp does not take {given[0]} (HSDP's collectives stay inside "
+                         "a node but one all_reduce): ZeRO++ (hpZ + qwZ + qgZ) is --hybrid hpz")
     if given:
         raise ValueError(f"--hybrid {kind} does not take {given[0]} yet (zerolab/hybrid.py)")
     return kind, k

@@ -121,8 +121,8 @@ OPTIONS = {o.dest: o for o in (
            "carry int8 block-wise weights (about half the bytes; zerolab/quant.py); default: bf16",
            {"choices": quant.WEIGHT_FORMATS}),
     Option(("--quantize-grads",), "ZeRO-3: ZeRO++'s qgZ, the gradient reduce_scatter is an "
-           "all_to_all of int8 or int4 block-wise codes (about 1/2 or 1/4 of the bytes); default: "
-           "bf16", {"choices": quant.GRAD_FORMATS}),
+           "all_to_all of int8 or int4 block-wise codes (about 1/2 or 1/4 of the bytes; with "
+           "--hybrid hpz in ZeRO++'s two hops, inside the node then across); default: bf16", {"choices": quant.GRAD_FORMATS}),
     Option(("--quant-block",), "elements per fp32 scale of --quantize-weights / --quantize-grads "
            f"(default {quant.DEFAULT_BLOCK})", {"type": int, "metavar": "B"}),
     Option(("--hybrid",), "ZeRO-3 by node (zerolab/hybrid.py): hsdp shards inside a node and "

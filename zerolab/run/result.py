@@ -37,11 +37,13 @@ def stage_result(st, ledger: list[dict]) -> dict:
     hy = built["hybrid"]                                # (kind, k): HSDP / hpZ, or None
     grad_op = built["grad_op"] or "all_reduce"
     states_n = hy[1] if hy and hy[0] == "hsdp" else n   # HSDP shards over a node's k ranks
-    tiers_padded = (tiers.hybrid_traffic_bytes(psi_padded, n, hy[1], hy[0], args.precision, A, gd)
-                    if hy else None)
+    shards = [u.shard_numel for u in st.strategy.units]
+    tiers_padded = (tiers.zeropp_traffic_bytes(shards, n, hy[1], q.weights, q.grads, q.block,
+                                               True, args.precision, A, gd) if hy and q
+                    else tiers.hybrid_traffic_bytes(psi_padded, n, hy[1], hy[0], args.precision,
+                                                    A, gd) if hy else None)   # ZeRO++ whole: hpZ + q
     traffic_padded = _by_op(tiers_padded) if hy else (theory.quantized_traffic_bytes(
-        [u.shard_numel for u in st.strategy.units], n, q.weights, q.grads, q.block, args.precision,
-        A, gd) if q else theory.traffic_bytes(psi_padded, n, stage, args.precision,
+        shards, n, q.weights, q.grads, q.block, args.precision, A, gd) if q else theory.traffic_bytes(psi_padded, n, stage, args.precision,
                                               grad_op, A, gd))
     return _with_offload(st, {
         "run_id": args.run_id, "stage": stage, "name": built["name"], "rank": comm.rank,

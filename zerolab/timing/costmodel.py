@@ -225,7 +225,8 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topol
               zero1_grad_op: str = "all_reduce", clip: bool = True, keep_root: bool = False,
               algorithm: str = "ring", hierarchical: bool = False,
               hybrid: str | None = None, bytes_per_param: dict | None = None,
-              zero12_gather: str = "after_step", **options) -> StepTime:
+              two_hop_grads: bool = False, zero12_gather: str = "after_step",
+              **options) -> StepTime:
     """Replay one optimizer step (one micro-step) of zerolab's `stage` and return its timing.
 
     The schedule is the strategy code's own (`schedule.record`: the class zerolab.compose builds
@@ -241,7 +242,9 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topol
     all_reduce of the gradient norm (stages 1-3). overlap=False waits for every collective as
     soon as it is issued (compute + communication). Sizes: bf16 grads and params (4 bytes each
     in "fp32"), or `bytes_per_param` {"params": w, "grads": g} (ZeRO++'s qwZ int8 with
-    256-element blocks: 1 + 4/256). algorithm: how every all_reduce is modelled
+    256-element blocks: 1 + 4/256); two_hop_grads (hybrid "hpz" with qgZ: ZeRO++ whole) replays
+    each gradient reduce_scatter as qgZ's two hops, S on the node's ranks, then S/k across once
+    it ended (`quant.reduce_scatter_two_hop`). algorithm: how every all_reduce is modelled
     (`collective_time`). link: one Link, or a hardware.Topology of two tiers: a collective on
     all world_size ranks as `flat_leg` says (each all_reduce as `hierarchical_all_reduce`'s three
     legs with `hierarchical`), one on a node's ranks or across nodes on its tier; each tier's
@@ -262,6 +265,8 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topol
         if n % k:
             raise ValueError(f"hybrid needs whole nodes: {k} ranks per node do not divide {n}")
         options.update(hybrid=hybrid, ranks_per_node=k)
+    if two_hop_grads and hybrid != "hpz":
+        raise ValueError(f"two_hop_grads is qgZ with hybrid 'hpz' (ZeRO++), not hybrid {hybrid!r}")
     given = {"prefetch": depth, "keep_root": keep_root, "grad_op": zero1_grad_op,
              "gather": zero12_gather}
     options.update({key: v for key, v in given.items() if theory.check_stage(stage) in TAKES[key]})
@@ -282,10 +287,15 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topol
             _, i, op, what, unit, fraction, tier, parent, sim.phase = ev
             if what == "metric" and not clip:
                 continue
-            size = 4 if what == "metric" else fraction * named[unit].numel * width[what]
+            plain = hybrid == "hpz" and what == "params" and tier == "intra"   # bf16 secondaries
+            size = 4 if what == "metric" else fraction * named[unit].numel * (
+                theory.bytes_per_param(precision)["params"] if plain else width[what])
             after = None if sim.blocking else ends.get(parent)    # (serial: one at a time)
-            ends[i] = sim.issue(op, size, named[unit].name if unit in named else unit,
-                                groups[tier], after)
+            name = named[unit].name if unit in named else unit
+            if two_hop_grads and op == "reduce_scatter" and what == "grads" and not tier:
+                after = sim.issue(op, size, name, groups["intra"], after)     # hop 1, then 2
+                size, tier = size / k, "inter"
+            ends[i] = sim.issue(op, size, name, groups[tier], after)
     sim.out.total = sim.t
     return sim.out
 
