@@ -297,10 +297,15 @@ def offload_rows() -> list[Row]:
                          "speed? Then on a host 6x faster?")]
 
 
-#: the combined hpZ + qwZ + qgZ run (branch i32: ZeRO++'s two-hop qgZ, the three together); None
-#: until it lands: then `lambda: _zeropp_cross(one_step(N, 3, hybrid="hpz", ranks_per_node=K,
-#: quantize={"weights": "int8", "grads": "int4"}))` - the one line that fills the row's measured.
-MEASURE_ZEROPP_COMBINED = None
+def _cross_node_m(step, k: int) -> float:
+    """Bytes one node sends across per step (`tiers.cross_node_bytes`: a world ring once per NIC,
+    an inter-node group k times), in M = 2Ψ, the fp16 model's bytes, from a `one_step` ledger."""
+    rep, ledger = step
+    by_group: dict = {}
+    for (op, _, tier), b in ledger.items():
+        by_group.setdefault(tier, {})
+        by_group[tier][op] = by_group[tier].get(op, 0.0) + b
+    return tiers.cross_node_bytes(by_group, k) / (2 * rep["num_params_padded"])
 
 
 def _zeropp_cross(step) -> float:
@@ -328,16 +333,21 @@ def zeropp_rows() -> list[Row]:
     mg = one_step(n, 3, quantize={"grads": "int4"})[1]
     hp = _zeropp_cross(one_step(n, 3, hybrid="hpz", ranks_per_node=k))
     hp_model = sum(tiers.hybrid_traffic_bytes(1.0, n, k, "hpz")["world"].values()) / (2 * (n - 1) / n)
-    combined = (MEASURE_ZEROPP_COMBINED(),) if MEASURE_ZEROPP_COMBINED else None
+    big_n, big_k = 64, 8                    # the paper's limit needs many nodes: N = 64, k = 8
+    combined = _cross_node_m(one_step(big_n, 3, hybrid="hpz", ranks_per_node=big_k,
+                                      quantize={"weights": "int8", "grads": "int4"}), big_k)
     src = "ZeRO++ (arXiv:2306.10209)"
     where = f"ledger of rank 0, GPT nano, fake world of {n}"
     return [
-        Row("zeropp-all", "cross-node bytes per step with hpZ + qwZ + qgZ, in M (ZeRO-3: 3M)",
-            src + ", abstract and section 3: 3M -> 0.75M", (0.75,), (qw + 0 + qg,), combined, "M",
-            "prediction: qwZ's forward gather + hpZ's (none across) + qgZ's reduce, int8 / int4 "
-            "with an fp32 scale per 256 values; measured: not yet (the three together need "
-            "branch i32: hook MEASURE_ZEROPP_COMBINED)", 0.05,
-            hook="MEASURE_ZEROPP_COMBINED", question="Without hpZ (qwZ + qgZ only): cross-node M?"),
+        Row("zeropp-all", "bytes a node sends across per step with hpZ + qwZ + qgZ, in M "
+            "(ZeRO-3: 3M)", src + ", abstract and section 3: 3M -> 0.75M", (0.75,),
+            (tiers.zeropp_cross_node_in_m(big_n, big_k, 256)["zero++"],), (combined,), "M",
+            f"ledger of rank 0, GPT nano, fake world of {big_n} in nodes of {big_k}, --hybrid "
+            "hpz --quantize-weights int8 --quantize-grads int4 (qgZ in two hops); prediction: "
+            "tiers.zeropp_cross_node_in_m, (N-1)/N(1/2 + 2/B) + (m-1)/m(1/4 + 2/B) with m nodes "
+            "and an fp32 scale per B = 256 values; the paper's 0.75M is its limit for many nodes",
+            0.05, question="At N = 8 in nodes of 4 (two nodes): predict the M, then run "
+                           "tiers.zeropp_cross_node_in_m(8, 4)"),
         Row("zeropp-qwz", "qwZ: weight all_gather bytes, int8 over fp16",
             src + ": qwZ halves the all-gather (fp16 -> int8)", (0.5,), (qw,),
             (_op_bytes(mw, "all_gather") / _op_bytes(base, "all_gather"),), "x",
