@@ -271,3 +271,18 @@ def test_a_containers_cpu_quota_is_read_as_cores(tmp_path, files, cores):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert preflight.cgroup_cpus(str(tmp_path)) == cores
+
+
+def test_the_pace_is_said_again_at_each_stages_first_step():
+    """compare runs DDP first, then slower stages: each stage's first step says the run's time
+    again at its own pace (steps left x that stage's step time), the last stage's last step
+    says nothing."""
+    said = []
+    pace = job.Pace(said.append, [0, 3])
+    for line in ("[stage 0] step 1/2 loss 4.1 10 ms", "[stage 0] step 2/2 loss 4.0 10 ms",
+                 "[stage 3] step 1/2 loss 4.1 40 ms", "[stage 3] step 2/2 loss 4.0 40 ms"):
+        pace(line)
+    notes = [s for s in said if s.startswith("zerolab: step")]
+    assert len(notes) == 2, said
+    assert f"the 3 step(s) left take ~{job.format_seconds(0.03)}," in notes[0], notes
+    assert f"the 1 step(s) left take ~{job.format_seconds(0.04)}," in notes[1], notes

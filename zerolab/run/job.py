@@ -150,21 +150,23 @@ _PROGRESS = re.compile(r"^\[stage (\d+)\] step (\d+)/(\d+) .* (\d+) ms$")
 
 
 class Pace:
-    """An echo that passes every line on and, after the first progress line of rank 0
-    (`[stage S] step K/N ... T ms`), says once what the whole run will take at that step's
+    """An echo that passes every line on and, after the first progress line of rank 0 in each
+    stage (`[stage S] step K/N ... T ms`), says what the whole run will take at that step's
     pace: the steps left in this stage and in the stages after it, x T, plus the time so far
-    (nothing when no step is left)."""
+    (nothing when no step is left). Said again at each stage's first step: a later stage's
+    steps are slower (ZeRO-3 gathers the weights), so the first line runs low for `compare`
+    and each stage's line corrects it."""
 
     def __init__(self, echo, stages: list[int]):
-        self.echo, self.stages, self.t0, self.said = echo, stages, time.monotonic(), False
+        self.echo, self.stages, self.t0, self.said = echo, stages, time.monotonic(), set()
 
     def __call__(self, line: str):
         self.echo(line)
-        m = None if self.said else _PROGRESS.match(line.strip())
-        if m is None:
+        m = _PROGRESS.match(line.strip())
+        if m is None or int(m.group(1)) in self.said:
             return
-        self.said = True
         stage, k, n, ms = (int(g) for g in m.groups())
+        self.said.add(stage)
         later = self.stages[self.stages.index(stage) + 1:] if stage in self.stages else []
         left = (n - k) + n * len(later)
         if left == 0:
