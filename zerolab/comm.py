@@ -208,8 +208,7 @@ class Comm:
         self.records: list[Record] = []
         self.root, self.tier, self.children = self, "", []   # a sub-group's: zerolab.tiers
         self._step, self._phase = 0, "setup"
-        self.passes: dict[int, int] = {0: 0}   # forward passes per optimizer step (root only)
-        self.parents: dict[str, str] = {}      # unit -> class of the module holding its blocks
+        self.passes, self.parents = {0: 0}, {}  # order: forward passes per step, units' layers
         self.backend = dist.get_backend(group)
         self._pending: list[Handle] = []        # issued, duration not read yet (issue order)
         self._gloo_free: list[float] = []       # gloo: the latest completions settled so far

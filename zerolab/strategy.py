@@ -78,7 +78,8 @@ class Strategy:
         self.handles, self.inflight, self.sync, self.fresh = [], [], True, False
         self.phase_set = False              # _enter_forward set the ledger's phase
         self.units = self.build_units(model, bucket_mb)
-        comm.root.parents.update(holders(model, self.units))   # named in zerolab.order's advice
+        vars(getattr(comm, "root", comm)).setdefault("parents", {}).update(   # zerolab.order's
+            holders(model, self.units))                                         # advice names them
         for u in self.units:
             self.hold(u)
         self.optimizer = self.make_optimizer(**adamw)

@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         "alone"))
     _formula(tm, "algo", "precision", "ranks_per_node", "intra", "inter", "nics_per_node")
     tm.add_argument("--muon", action="store_true", help=(
-        "also distributed Muon's three layouts (bytes, Newton-Schulz FLOPs, memory, optimizer "
-        "time) for a GPT of --blocks blocks of width --d-model (course/muontable.py)"))
+        "also distributed Muon's three layouts (bytes, FLOPs of the orthogonalisation, memory, "
+        "optimizer time) for a GPT of --blocks blocks of width --d-model (course/muontable.py)"))
     tm.description = ("Step time of DDP and ZeRO-1/2/3 from the α-β cost model: compute (6Ψ + "
                       "12·L·d·T) FLOPs per token at peak x MFU, collectives on one in-order link "
                       "(or two tiers: --ranks-per-node K --intra SPEC --inter SPEC [--nics-per-node C]).")
