@@ -217,3 +217,18 @@ def test_cost_model_replays_the_same_bytes_on_the_same_groups():
                                            hybrid="hsdp").collectives for leg in c.legs
             if leg.op != "all_reduce"}
     assert paid == {"intra"}
+
+
+def test_ranks_per_node_that_do_not_divide_the_world_are_refused_naming_what_fits():
+    """The flag the user set, its value, and the divisors of the world size (a trial: it said
+    "set --ranks-per-node" to a user who had)."""
+    import types
+
+    from zerolab.run import knobs
+    args = types.SimpleNamespace(hybrid="hpz", ranks_per_node=3)
+    with pytest.raises(ValueError) as err:
+        knobs.hybrid(args, 4, [3])
+    said = str(err.value)
+    assert "\n" not in said and "--ranks-per-node 3 does not divide the world size 4" in said, said
+    assert said.endswith("ranks per node 1, 2, 4 are accepted"), said
+    assert knobs.hybrid(types.SimpleNamespace(hybrid="hpz", ranks_per_node=2), 4, [3])[1] == 2

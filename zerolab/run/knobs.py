@@ -91,8 +91,10 @@ def hybrid(args, world_size: int, stages: list[int] | None = None) -> tuple[str,
                          "run it with --stage 3")
     k = getattr(args, "ranks_per_node", None) or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if k < 1 or world_size % k:
-        raise ValueError(f"--hybrid {kind}: {k} ranks per node do not divide the world size "
-                         f"{world_size} (set --ranks-per-node)")
+        given = "--ranks-per-node" if getattr(args, "ranks_per_node", None) else "LOCAL_WORLD_SIZE"
+        fits = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ValueError(f"--hybrid {kind}: {given} {k} does not divide the world size "
+                         f"{world_size}; ranks per node {fits} are accepted")
     given = [f for f, on in (("--quantize-weights", kind == "hsdp"
                               and getattr(args, "quantize_weights", None)),
                              ("--quantize-grads", kind == "hsdp"
