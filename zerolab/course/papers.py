@@ -1,6 +1,6 @@
 """The papers, reproduced on a laptop: every published number the course can check, checked.
 
-Idea (issue #34): a learner trusts a course that shows its sources agreeing with it, and learns
+Idea: a learner trusts a course that shows its sources agreeing with it, and learns
 most where they do not. Each `Row` puts one published figure next to zerolab's prediction (the
 formulas of `theory` / `tiers` / `offload`, the cost model of `timing`) and this laptop's
 measurement (zerolab's own strategies, one step on torch's fake process group: the ledger's bytes
@@ -43,7 +43,8 @@ GB, BILLION = 1e9, 1e9
 V100 = 32e9                     # the ZeRO paper's GPU memory (Table 2): 32 GB V100
 #: `Row.rechecked` where the paper's own text could not be read here (no network to its PDF):
 #: whose quotation the value is
-ISSUE = "not rechecked in the paper here (its text could not be reached): as issue #34 quotes it"
+ISSUE = ("not rechecked against the paper's own text (unreachable offline when written): the "
+         "value as the course's planning notes quote it")
 TABLE2 = ("checked against a transcription of Table 2 (values and MP / GPU rows), not the paper's "
           "PDF")
 COURSE = "not rechecked in the paper here (its text could not be reached): as the course quotes it"
@@ -235,8 +236,8 @@ def fsdp_rows() -> list[Row]:
             rechecked=ISSUE, question=f"A 4 x 3 weight on {f} ranks, flat: padded "
                                               "elements?"),
         Row("fsdp-pad-dim0", f"elements allocated for a 4 x 3 weight sharded on dim 0 over {f} "
-            "ranks (12 hold data)", "FSDP2 per-parameter dim-0 sharding (as the issue quotes the "
-            "FSDP paper's padding discussion)", (48,),
+            "ranks (its 12 elements sit on 4 of them)", "FSDP2 per-parameter dim-0 sharding (as "
+            "the planning notes quote the FSDP paper's padding discussion)", (48,),
             (f * math.ceil(4 / f) * 3,), (allocated["dim0"],), "elements",
             f"fully_shard(layout='dim0'), rank 0 of a fake world of {f}: held elements x {f} "
             f"(flat: {allocated['flat']:.0f})", 0, rechecked=ISSUE,
@@ -293,7 +294,7 @@ def offload_rows() -> list[Row]:
                 (moved,), "bytes/param", "zerolab's offload ledger (down + up), ZeRO-2 + "
                 "--offload-optimizer on GPT nano, one rank (the device emulated on the CPU)", 0.001,
                 rechecked="4M checked against transcriptions of the paper's Table 1, not its PDF; "
-                          "L2L's 28Ψ as issue #34 quotes it",
+                          "L2L's 28Ψ as the planning notes quote it",
                 question="At N = 8 ranks, bytes over each rank's PCIe per step per parameter?"),
             Row("offload-dpu", "share of the step the host's update still adds with DPU",
                 "ZeRO-Offload, one-step delayed parameter update (hides the CPU's update behind "
