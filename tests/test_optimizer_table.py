@@ -163,3 +163,34 @@ def test_an_unknown_or_whole_tensor_class_is_refused_and_a_declared_one_runs():
     assert refusal(Scaled, "x") is not None
     assert declare_elementwise(Scaled) is Scaled and refusal(Scaled, "x") is None
     check_elementwise(Scaled)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_loop_optimizer_over_a_stage_with_sharded_gradients_is_refused_naming_the_way(stage):
+    """ZeRO-2/3 leave each rank only its range of the averaged gradient: a loop's own optimizer
+    (here torch's Adafactor, and AdamW) reading p.grad is refused in one line that says to step
+    with strategy.step() and where Muon lives - the weights unchanged (rank 0 of a fake world of
+    2: the collectives move nothing, the placeholders are the ones a real run leaves)."""
+    from zerolab.comm import Comm
+    from zerolab.compose import make_strategy
+    from zerolab.model import GPT, get_config
+    from zerolab.timing import whatif
+    cfg = get_config("nano")
+    with whatif.fake_world(2):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        s = make_strategy(stage, model, Comm())
+        x = torch.zeros(1, cfg.block_size, dtype=torch.long)
+        s.backward(s.forward(x, x))
+        with s.gathered():
+            before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for cls in (torch.optim.Adafactor, torch.optim.AdamW):
+            with pytest.raises(RuntimeError) as err:
+                cls(model.parameters(), lr=0.1).step()
+            said = str(err.value)
+            assert "\n" not in said and "strategy.step()" in said and "make_muon" in said, said
+            assert cls.__name__ + ".step() read its" in said, said
+        with s.gathered():
+            after = model.state_dict()
+            assert all(torch.equal(before[k], after[k]) for k in before)
+        s.close()

@@ -120,9 +120,36 @@ def _no_memory(shape, like: torch.Tensor) -> torch.Tensor:
     return _ZEROS[key].expand(shape) if len(shape) else _ZEROS[key].view(())
 
 
+_STEP_HOOK: list = []
+
+
+def refuse_loop_optimizers():
+    """Once per process: every torch optimizer's step() first looks at its parameters, and one
+    whose weights or gradient are a strategy's placeholders is refused (ShardedValues, one line:
+    which, and strategy.step()) before the step changes anything - AdamW decays the weights
+    before it reads a gradient, so a refusal from inside the step would come too late."""
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_placeholders))
+
+
+def _placeholders(optimizer, args, kwargs):
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for t, what in ((p, "weights"), (p.grad, "gradient")):
+                why = t.__dict__.get("_zerolab_sharded") if t is not None else None
+                if why:
+                    raise ShardedValues(
+                        f"{why} ({type(optimizer).__name__}.step() read its {what}; step with "
+                        "strategy.step(), the strategy's AdamW, not an optimizer of your own - "
+                        "Muon and other whole-matrix ones: zerolab.compose.make_muon over a "
+                        "replicated model)")
+
+
 def shard_params(params, shapes, whys):
     """Make each parameter of `params` a ShardedParameter of its shape whose values raise its
     message of `whys` (one line)."""
+    refuse_loop_optimizers()
     with torch._C.DisableTorchFunctionSubclass():
         for p, shape, why in zip(params, shapes, whys):
             p.data = _no_memory(shape, p)
@@ -151,6 +178,7 @@ def shard_grads(units, who: str):
     """After a synchronising backward that left only this rank's range of the averaged gradient
     (`who`: "ZeRO-2", say): every `p.grad` of `units` becomes a ShardedGrad placeholder whose
     values raise one line naming the parameter and the ways out."""
+    refuse_loop_optimizers()
     for u in units:
         for p, why in zip(u.params, u.messages(who, _SHARDED_GRAD)):
             g = torch.Tensor._make_subclass(ShardedGrad, _no_memory(p.shape, p))
