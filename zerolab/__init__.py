@@ -37,6 +37,16 @@ Comm (none of them is imported by a stage's file):
     loopstep    DDP and ZeRO-3 for a loop that steps its own torch optimizer (torchlike's)
     compose     `make_strategy(stage, model, comm, **options)`: a stage with its variants
 
+and, beside them, optimizers that read whole matrices (Muon, Adafactor, LAMB), which ZeRO's flat
+ranges cannot step, in three layouts that make each matrix whole somewhere:
+
+    muon_theory owners (greedy by size), bytes, Newton-Schulz FLOPs and held bytes per layout
+    lamb        LAMB written from its paper (You et al. 2020, Algorithm 2), a torch optimizer
+    wholeopt    the layouts' frame: the AdamW fallback split, reduce / route / update / route_back
+    muon_owner  whole parameters owned by ranks (torch's ZeroRedundancyOptimizer's partition)
+    muon_a2a    dim-0 shards sent to each matrix's owner and back with all_to_all (torchtitan)
+    muon_replicate  every gradient gathered, every rank steps every matrix
+
 Everything else lives in four wings, sub-folders the lesson never imports, and one door:
 
     torchlike/  torch's interfaces over the same strategies, for a learner's own model and loop:

@@ -75,7 +75,7 @@ class Record:
     """One collective on one rank. Sizes in elements and bytes, time in seconds."""
     step: int
     phase: str            # forward / backward / step / eval / setup
-    op: str               # all_reduce / reduce_scatter / all_gather / broadcast
+    op: str               # all_reduce / reduce_scatter / all_gather / broadcast / all_to_all
     what: str             # grads / params / metric
     unit: str             # bucket or block name, e.g. "block.3"
     dtype: str            # e.g. "torch.bfloat16"
@@ -290,6 +290,29 @@ class Comm:
                            lambda: dist.broadcast(tensor, global_src, group=self.group,
                                                   async_op=True))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], *, what: str, unit: str = "",
+                   async_op: bool = False) -> Handle:
+        """Rank r sends `input`'s j-th piece (`input_splits[j]` elements, in order) to rank j and
+        receives rank j's r-th piece into `output`'s j-th (`output_splits[j]`): torch's
+        all_to_all_single with split sizes (1-D tensors). The ledger's `bytes` are what this
+        rank sends to the others (its own piece stays); its `size_bytes` S is the uniform
+        all_to_all that moves as much as this rank's busier direction, n/(n-1)·max(sent,
+        received), so that an emulated link times it as (n-1)·α + max(sent, received)/β."""
+        if sum(input_splits) != input.numel() or sum(output_splits) != output.numel():
+            raise ValueError(f"all_to_all: splits {input_splits} / {output_splits} do not add up "
+                             f"to the tensors' {input.numel()} / {output.numel()} elements")
+        size = input.element_size()
+        sent = (input.numel() - input_splits[self.rank]) * size
+        received = (output.numel() - output_splits[self.rank]) * size
+        n = self.world_size
+        s_bytes = max(sent, received) * n / (n - 1) if n > 1 else 0
+        return self._issue("all_to_all", input, what, unit, async_op,
+                           lambda: dist.all_to_all_single(output, input, output_splits,
+                                                          input_splits, group=self.group,
+                                                          async_op=True),
+                           sizes=(s_bytes, sent))
+
     # --- bookkeeping ----------------------------------------------------------------------
     def _check_chunk(self, chunk, full, op):
         if full.numel() != chunk.numel() * self.world_size:
@@ -306,8 +329,10 @@ class Comm:
         self.records.append(record)
         return record
 
-    def _issue(self, op, full, what, unit, async_op, call, post=None) -> Handle:
+    def _issue(self, op, full, what, unit, async_op, call, post=None, sizes=None) -> Handle:
         record = self._record(op, full, what, unit)
+        if sizes is not None:                    # all_to_all: (S, bytes) of uneven splits
+            record.size_bytes, record.bytes = sizes
         handle = Handle(work=None, record=record, started=time.perf_counter(), comm=self,
                         cuda=full.is_cuda, post=post)
         with _issuing(record):                   # labelled ranges in a --trace profile
@@ -397,10 +422,10 @@ class Comm:
 
     def bytes_by_op(self, step: int | None = None, what=("grads", "params")) -> dict[str, float]:
         """Per-rank ring bytes summed by op, for one step (or all) and the given `what` kinds."""
-        out = {op: 0.0 for op in theory.RING_FACTOR}
+        out = {op: 0.0 for op in theory.RING_FACTOR if op != "all_to_all"}   # + any other used
         for r in self.records:
             if (step is None or r.step == step) and r.what in what:
-                out[r.op] += r.bytes
+                out[r.op] = out.get(r.op, 0.0) + r.bytes
         return out
 
     def to_json(self) -> list[dict]:

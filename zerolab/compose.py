@@ -26,9 +26,12 @@ such variant raises ValueError (one line) naming it and the stages that take it.
 """
 from __future__ import annotations
 
-from . import theory
+from . import muon_theory, theory
 from .ddp import DDP
 from .hybrid import HYBRIDS, HpZ, HSDP
+from .muon_a2a import MuonAllToAll
+from .muon_owner import MuonOwner
+from .muon_replicate import MuonReplicate
 from .offload import Offloaded
 from .placement import DEFAULT_GATHER, GATHER_MODES, Deferred
 from .prefetch import DEFAULT_PREFETCH, KeepRoot, PrefetchDepth, check_depth
@@ -102,3 +105,14 @@ def _only(name, value, default, accepted, stage):
     if value != default and stage not in stages:
         raise ValueError(f"{name} {value!r} is {' and '.join(theory.STAGE_NAMES[s] for s in stages)}"
                          f"'s (stage {', '.join(map(str, stages))}), not stage {stage}'s")
+
+
+MUON_LAYOUTS = {"owner": MuonOwner, "a2a": MuonAllToAll, "replicate": MuonReplicate}
+
+
+def make_muon(params, layout: str = muon_theory.DEFAULT_LAYOUT, *args, **kwargs):
+    """A distributed whole-matrix optimizer (torch.optim.Muon by default) in `layout`: "owner"
+    (muon_owner.py), "a2a" (muon_a2a.py, the default: muon_theory.DEFAULT_LAYOUT says why) or
+    "replicate" (muon_replicate.py); the other arguments are wholeopt.WholeOptimizer's.
+    ValueError (one line) for another layout."""
+    return MUON_LAYOUTS[muon_theory.check_layout(layout)](params, *args, **kwargs)

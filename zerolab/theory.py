@@ -35,6 +35,7 @@ RING_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,    # even splits: a rank keeps 1/n, sends the rest
 }
 ZERO1_GRAD_OPS = ("all_reduce", "reduce_scatter")
 

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens per sequence T for attention's FLOPs, at most --tokens-per-rank; 0: the 6Ψ rule "
         "alone"))
     _formula(tm, "algo", "precision", "ranks_per_node", "intra", "inter", "nics_per_node")
+    tm.add_argument("--muon", action="store_true", help=(
+        "also distributed Muon's three layouts (bytes, Newton-Schulz FLOPs, memory, optimizer "
+        "time) for a GPT of --blocks blocks of width --d-model (course/muontable.py)"))
     tm.description = ("Step time of DDP and ZeRO-1/2/3 from the α-β cost model: compute (6Ψ + "
                       "12·L·d·T) FLOPs per token at peak x MFU, collectives on one in-order link "
                       "(or two tiers: --ranks-per-node K --intra SPEC --inter SPEC [--nics-per-node C]).")
@@ -302,6 +305,10 @@ def cmd_time(args) -> int:
     print(timetable.format_time_table(args.params, args.world_size, args.tokens_per_rank, link, device,
                                       args.blocks, args.precision, args.mfu, d_model=args.d_model,
                                       seq_len=args.seq_len, algorithm=args.algo))
+    if args.muon:
+        from ..course import muontable
+        print("\n" + muontable.time_table(args.params, args.world_size, args.blocks,
+                                          args.d_model, link, device, args.mfu))
     return 0
 
 

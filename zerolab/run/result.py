@@ -113,10 +113,10 @@ def _with_offload(st, out: dict) -> dict:
 
 
 def _by_op(per_tier: dict) -> dict[str, float]:
-    out = {op: 0.0 for op in theory.RING_FACTOR}
+    out = {op: 0.0 for op in theory.RING_FACTOR if op != "all_to_all"}   # + any other used
     for ops in per_tier.values():
         for op, b in ops.items():
-            out[op] += b
+            out[op] = out.get(op, 0.0) + b
     return out
 
 

@@ -138,7 +138,7 @@ class StepTime:
     def by_op(self) -> dict[str, float]:
         out = {op: 0.0 for op in OPS}
         for c in self.collectives:
-            out[c.op] += c.end - c.start
+            out[c.op] = out.get(c.op, 0.0) + c.end - c.start
         return out
 
     def by_op_tier(self) -> dict[str, dict[str, float]]:
@@ -147,6 +147,7 @@ class StepTime:
         out: dict[str, dict[str, float]] = {op: {} for op in OPS}
         for c in self.collectives:
             for leg in c.legs:
+                out.setdefault(c.op, {})
                 out[c.op][leg.tier] = out[c.op].get(leg.tier, 0.0) + leg.seconds
         return {op: per for op, per in out.items() if per}
 
