@@ -93,6 +93,34 @@ def format_split(rows, pieces: int = 2) -> str:
     return "\n".join(lines)
 
 
+# --- lab 9's parameters ------------------------------------------------------------------------
+def lab_parameters(*, muon_world_sizes, layouts, preset, steps, link_gbps, link_latency_us, out):
+    """Lab 9's parameters checked before any rank starts: (labs.check_parameters' namespace,
+    world sizes as a list, layouts as a list). muon_world_sizes: an int or a list of ints 2-8;
+    layouts: a list (or comma text) of muon_theory.LAYOUTS; steps >= 3; link_gbps > 0,
+    link_latency_us >= 0. Raises labs.LabParameterError (one line) naming the bad value."""
+    from .labs import LabParameterError, check_parameters
+    sizes = [muon_world_sizes] if isinstance(muon_world_sizes, int) else muon_world_sizes
+    if isinstance(layouts, str):                        # "owner,a2a" from zerolab labs -p
+        layouts = [x.strip() for x in layouts.split(",") if x.strip()]
+    if not isinstance(sizes, list) or not sizes or any(
+            isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 8 for n in sizes):
+        raise LabParameterError(f"muon_world_sizes = {muon_world_sizes!r} must be a list of "
+                                "integers 2-8 (gloo ranks)")
+    if not isinstance(layouts, list) or not layouts or any(x not in mt.LAYOUTS for x in layouts):
+        raise LabParameterError(f"layouts = {layouts!r} must be a list of {', '.join(mt.LAYOUTS)}")
+    for name, value, low in (("link_gbps", link_gbps, "> 0"),
+                             ("link_latency_us", link_latency_us, ">= 0")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+                low == "> 0" and value == 0):
+            raise LabParameterError(f"{name} = {value!r} must be a number {low}")
+    p = check_parameters(nproc=max(sizes), backend="gloo", device="cpu", stages="0",
+                         preset=preset, steps=steps, out=out)
+    if p.steps < 3:
+        raise LabParameterError(f"steps = {p.steps} must be >= 3 (warm-up, timed, memory peak)")
+    return p, sizes, layouts
+
+
 # --- the layouts on gloo ranks -----------------------------------------------------------------
 def launch(out, *, nproc: int, launch_demo, preset: str = "tiny", layouts=mt.LAYOUTS,
            steps: int = 4, link_gbps: float = 1.0, link_latency_us: float = 100.0,
