@@ -48,7 +48,7 @@ def test_lab7_model_parameter_is_one_line_naming_it():
 
 
 LAB9 = dict(muon_world_sizes=[2, 4], layouts=["owner", "a2a", "replicate"], preset="tiny", steps=4,
-            link_gbps=1.0, link_latency_us=100.0, out=None)
+            muon_link_gbps=1.0, link_latency_us=100.0, out=None)
 
 
 @pytest.mark.parametrize("change, named", [
@@ -56,7 +56,7 @@ LAB9 = dict(muon_world_sizes=[2, 4], layouts=["owner", "a2a", "replicate"], pres
     ({"muon_world_sizes": "2,4"}, "muon_world_sizes = '2,4'"),
     ({"layouts": ["owner", "zero3"]}, "layouts = ['owner', 'zero3'] must be a list of owner, a2a, replicate"),
     ({"steps": 2}, "steps = 2 must be >= 3"),
-    ({"link_gbps": 0}, "link_gbps = 0 must be a number > 0"),
+    ({"muon_link_gbps": 0}, "muon_link_gbps = 0 must be a number > 0"),
     ({"link_latency_us": -1.0}, "link_latency_us = -1.0 must be a number >= 0"),
     ({"preset": "huge"}, "'huge'"),
 ])

@@ -94,10 +94,11 @@ def format_split(rows, pieces: int = 2) -> str:
 
 
 # --- lab 9's parameters ------------------------------------------------------------------------
-def lab_parameters(*, muon_world_sizes, layouts, preset, steps, link_gbps, link_latency_us, out):
+def lab_parameters(*, muon_world_sizes, layouts, preset, steps, muon_link_gbps, link_latency_us,
+                   out):
     """Lab 9's parameters checked before any rank starts: (labs.check_parameters' namespace,
     world sizes as a list, layouts as a list). muon_world_sizes: an int or a list of ints 2-8;
-    layouts: a list (or comma text) of muon_theory.LAYOUTS; steps >= 3; link_gbps > 0,
+    layouts: a list (or comma text) of muon_theory.LAYOUTS; steps >= 3; muon_link_gbps > 0,
     link_latency_us >= 0. Raises labs.LabParameterError (one line) naming the bad value."""
     from .labs import LabParameterError, check_parameters
     sizes = [muon_world_sizes] if isinstance(muon_world_sizes, int) else muon_world_sizes
@@ -109,7 +110,7 @@ def lab_parameters(*, muon_world_sizes, layouts, preset, steps, link_gbps, link_
                                 "integers 2-8 (gloo ranks)")
     if not isinstance(layouts, list) or not layouts or any(x not in mt.LAYOUTS for x in layouts):
         raise LabParameterError(f"layouts = {layouts!r} must be a list of {', '.join(mt.LAYOUTS)}")
-    for name, value, low in (("link_gbps", link_gbps, "> 0"),
+    for name, value, low in (("muon_link_gbps", muon_link_gbps, "> 0"),
                              ("link_latency_us", link_latency_us, ">= 0")):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
                 low == "> 0" and value == 0):
