@@ -149,6 +149,25 @@ MORE = {
                        "pays (n-1) × 5 ms of latency.",
                        ["zerolab.zero1.ZeRO1.update", "zerolab.zero1.ZeRO1.publish",
                         "zerolab.zero1.publish_update"]),
+    "owner_assignment": ("k_owner_assignment", "`notebooks/08b_whole_matrix.ipynb` (sections 1 "
+                         "and 3)", 15, ["zerolab.muon_owner.MuonOwner.hold"],
+                         "Muon orthogonalises each weight matrix whole, so a sharded Muon cannot "
+                         "step ZeRO's flat 1/N ranges. The owner layout gives every parameter to "
+                         "one rank, which keeps its state and steps it whole; which rank is the "
+                         "rule torch's ZeroRedundancyOptimizer uses for any optimizer: largest "
+                         "first, each to the rank that owns the fewest elements so far, the "
+                         "lowest rank on a tie. `MuonOwner.hold` (shown below) calls it, then "
+                         "lays out one flat buffer of N segments of the largest owner's load L: "
+                         "the owners you choose set the bytes every rank sends.",
+                         "the check calls your `assign_owners` on 311 cases, no ranks needed: "
+                         "hand-made ones that tell the usual mistakes apart (a big parameter "
+                         "last, many rows but few elements, equal sizes, more ranks than "
+                         "parameters, a 0-d parameter), 300 random ones, the course's GPT on 2-4 "
+                         "ranks and the 7.5B GPT on 64, against zerolab's answer (which the "
+                         "tests hold to torch's ZeroRedundancyOptimizer); a wrong answer names "
+                         "the first case, the owners and loads, and the rule you wrote when it "
+                         "recognises it.",
+                         ["zerolab.muon_theory.assign_owners"]),
 }
 
 

@@ -64,8 +64,9 @@ def test_one_colour_per_collective_everywhere():
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_images
     assert make_images.COLORS is plots.STATE_COLORS
-    assert set(plots.COLLECTIVE_COLORS) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
-    assert len(set(plots.COLLECTIVE_COLORS.values())) == 4
+    assert set(plots.COLLECTIVE_COLORS) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                            "all_to_all"}
+    assert len(set(plots.COLLECTIVE_COLORS.values())) == 5
     for path in (ROOT / "zerolab").rglob("*.py"):
         if path.name != "plots.py":
             assert "OP_COLORS = " not in path.read_text() and "COLLECTIVE_COLORS = " not in path.read_text(), path
@@ -185,6 +186,28 @@ def test_lab7_held_figure_legend_below_the_bars():
     fig.canvas.draw()
     _check_fonts(fig, "plot_held")
     _legend_under(fig, fig.axes[0], "plot_held")
+    plt.close(fig)
+
+
+def test_lab9_sweep_figure_one_colour_per_collective_and_legends_below():
+    """Lab 9's bytes-by-collective bars on the committed CPU reference run: each segment in its
+    collective's course colour (all_to_all too), every text >= 8 pt, both legends under their
+    axes."""
+    import json
+
+    from zerolab.course import wholematrix as wm
+    ref = Path(plots.__file__).parent / "reference_runs" / "lab9_whole_matrix"
+    sweep = {n: wm.layout_rows([json.loads(p.read_text())
+                                for p in sorted((ref / f"n{n}").glob("rank*.json"))]) for n in (2, 4)}
+    fig = wm.figure(sweep)
+    fig.canvas.draw()
+    _check_fonts(fig, "whole_matrix_sweep")
+    colours = {to_rgba(c)[:3]: op for op, c in plots.COLLECTIVE_COLORS.items()}
+    seen = {colours[p.get_facecolor()[:3]] for p in fig.axes[0].patches
+            if p.get_facecolor()[:3] in colours}
+    assert seen == {"reduce_scatter", "all_to_all", "all_gather"}, seen
+    for ax in fig.axes:
+        _legend_under(fig, ax, "whole_matrix_sweep")
     plt.close(fig)
 
 

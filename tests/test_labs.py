@@ -47,6 +47,29 @@ def test_lab7_model_parameter_is_one_line_naming_it():
         assert "\n" not in str(err.value)
 
 
+LAB9 = dict(muon_world_sizes=[2, 4], layouts=["owner", "a2a", "replicate"], preset="tiny", steps=4,
+            muon_link_gbps=1.0, link_latency_us=100.0, out=None)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"muon_world_sizes": [1, 4]}, "muon_world_sizes = [1, 4] must be a list of integers 2-8"),
+    ({"muon_world_sizes": "2,4"}, "muon_world_sizes = '2,4'"),
+    ({"layouts": ["owner", "zero3"]}, "layouts = ['owner', 'zero3'] must be a list of owner, a2a, replicate"),
+    ({"steps": 2}, "steps = 2 must be >= 3"),
+    ({"muon_link_gbps": 0}, "muon_link_gbps = 0 must be a number > 0"),
+    ({"link_latency_us": -1.0}, "link_latency_us = -1.0 must be a number >= 0"),
+    ({"preset": "huge"}, "'huge'"),
+])
+def test_lab9_parameters_are_one_line_naming_the_bad_one(change, named):
+    from zerolab.course import wholematrix
+    with pytest.raises(LabParameterError, match=None) as err:
+        wholematrix.lab_parameters(**{**LAB9, **change})
+    assert named in str(err.value) and "\n" not in str(err.value), str(err.value)
+    p, sizes, layouts = wholematrix.lab_parameters(**{**LAB9, "layouts": "owner, a2a",
+                                                      "muon_world_sizes": 3})
+    assert (p.nproc, sizes, layouts) == (3, [3], ["owner", "a2a"])
+
+
 def test_good_lab_parameters_resolve_to_cpu_gloo_without_gpus():
     p = check_parameters(nproc="auto", stages=[0, 3], preset="nano", steps=2, gpus=0)
     assert (p.nproc, p.backend, p.device, p.stage_list) == (2, "gloo", "cpu", [0, 3])

@@ -194,3 +194,24 @@ def test_a_loop_optimizer_over_a_stage_with_sharded_gradients_is_refused_naming_
             after = model.state_dict()
             assert all(torch.equal(before[k], after[k]) for k in before)
         s.close()
+
+
+def test_each_advice_names_an_entry_that_exists():
+    """Every dotted zerolab name an advice gives imports, and the Muon advice's layouts are the
+    ones make_muon accepts (it once named a module that does not exist, `zerolab.muon`)."""
+    import importlib
+    import re
+
+    from zerolab import muon_theory
+    from zerolab.optim import ADVICE
+    for cls, text in ADVICE.items():
+        for dotted in re.findall(r"zerolab(?:\.\w+)+", text):
+            module, _, attr = dotted.rpartition(".")
+            try:
+                obj = importlib.import_module(dotted)
+            except ImportError:
+                obj = getattr(importlib.import_module(module), attr, None)
+            assert obj is not None, (cls, dotted)
+    named = re.findall(r'"(\w+)"', ADVICE["Muon"])
+    assert "zerolab.compose.make_muon" in ADVICE["Muon"]
+    assert tuple(named) == muon_theory.LAYOUTS, named

@@ -216,3 +216,32 @@ def test_zerolab_labs_reference_runs_labs_5_6_and_7(tmp_path):
     assert (tmp_path / "labs" / "lab5_same_training" / "loss_curves.png").exists()
     assert (tmp_path / "labs" / "lab6_time_by_stage" / "time_by_stage.png").exists()
     assert (tmp_path / "labs" / "lab7_bring_your_own_model" / "held_by_wrapper.png").exists()
+
+
+def test_lab9_reference_is_its_demo_run_and_equals_muon_theory(tmp_path):
+    """Lab 9 launches zerolab.course.demos.wholematrix once per world size: its reference keeps
+    the demo's rank JSONs, `nb.launch_demo` restores them, and every rank's stored ledger bytes
+    by collective and held bytes equal muon_theory's formulas recomputed here from the GPT's
+    shapes (not the formula the ranks stored); at N = 2 the layouts trained the same weights."""
+    from zerolab import muon_theory as mt
+    from zerolab import nb
+    from zerolab.course import muontable, wholematrix
+    from zerolab.model import get_config
+    nb.use_reference()
+    try:
+        for n in (2, 4):
+            ranks = wholematrix.launch(tmp_path / "runs" / "labs" / "lab9_whole_matrix" / f"n{n}",
+                                       nproc=n, launch_demo=nb.launch_demo)
+            assert [r["rank"] for r in ranks] == list(range(n))
+            shapes, whole, groups = muontable.gpt_shapes(get_config(ranks[0]["preset"]))
+            for layout in mt.LAYOUTS:
+                want = mt.layout_costs(layout, shapes, whole, n, 4, groups=groups)
+                for r in ranks:
+                    got = r["muon"][layout]
+                    w = want[r["rank"]]
+                    assert got["bytes"] == {op: b for op, b in w["bytes"].items() if b}, layout
+                    assert got["held"] == w["state_bytes"] + w["buffer_bytes"], layout
+                    assert got["ns_flops"] == w["ns_flops"]
+                    assert n != 2 or got["diff_vs_first"] == 0.0, layout
+    finally:
+        nb.use_reference(False)

@@ -25,7 +25,8 @@ MB = 1e6
 # --- the course's colours: every figure (labs, `zerolab compare`, notebooks, scripts/make_images.py)
 # takes a collective's / a state's colour from here, so all_gather is the same blue everywhere.
 COLLECTIVE_COLORS = {"all_reduce": "#D55E00", "reduce_scatter": "#009E73", "all_gather": "#0072B2",
-                     "broadcast": "#CC79A7"}           # Okabe-Ito: vermillion, green, blue, purple
+                     "broadcast": "#CC79A7",           # Okabe-Ito: vermillion, green, blue, purple,
+                     "all_to_all": "#E69F00"}          # orange (distributed Muon's a2a, qgZ)
 STATE_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "master_weights": "#55A868",
                 "exp_avg": "#C44E52", "exp_avg_sq": "#8172B3",
                 "grad_buckets": "#DD8452", "gathered_params": "#4C72B0",   # transient: hatched

@@ -113,3 +113,18 @@ EXERCISES.update((e.name, e) for e in (
              grader="zerolab.course.exercises.track"),
 ))
 
+# (k): the owner of each whole matrix (notebook 08b), graded without ranks (.owners)
+OWNERS = "zerolab.course.exercises.owners"
+EXERCISES["owner_assignment"] = Exercise(
+    "owner_assignment", "k", "owners of whole matrices, greedy by size (ZeroRedundancyOptimizer)",
+    OWNERS, ("assign_owners",), -1, "",
+    ("largest first: sort the parameters by numel (the product of the whole shape, 1 for a 0-d "
+     "one), descending; a stable sort keeps equal sizes in list order",
+     "each parameter goes to the rank owning the fewest ELEMENTS so far (add its numel to that "
+     "rank's load); on a tie the lowest rank: loads.index(min(loads))",
+     "return owners in the order of `shapes`: owners[i] is parameter i's rank, whatever order "
+     "you placed them in",
+     "loads = [0] * world_size; for i in sorted(range(len(shapes)), key=lambda i: -numel[i]): "
+     "r = loads.index(min(loads)); owners[i] = r; loads[r] += numel[i]"),
+    grader=OWNERS)
+RANK_FREE = ("zerolab.course.exercises.more", OWNERS)     # graded in the judge, no ranks
