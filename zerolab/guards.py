@@ -136,6 +136,8 @@ def refuse_loop_optimizers():
 def _placeholders(optimizer, args, kwargs):
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if p.__dict__.get("_zerolab_sharded_away"):     # fully_shard's: torchlike says why
+                continue
             for t, what in ((p, "weights"), (p.grad, "gradient")):
                 why = t.__dict__.get("_zerolab_sharded") if t is not None else None
                 if why:
