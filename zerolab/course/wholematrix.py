@@ -7,7 +7,7 @@ process, distributed Muon's three layouts measured on gloo ranks, tables and a f
     rows = wm.layout_rows(ranks); print(wm.format_layouts(rows))
     fig = wm.figure({4: rows})
 
-`split_vs_whole` steps each optimizer class on the issue's MLP (`demos.wholematrix.issue_mlp`)
+`split_vs_whole` steps each optimizer class on the user's MLP (`demos.wholematrix.issue_mlp`)
 once whole and once as `pieces` dim-0 row pieces, each piece its own tensor with its own
 optimizer - what torch's class does on fully_shard's shards - from the same weights on the same
 global batches, and reports the largest difference of the weights (and how far the whole run
@@ -84,7 +84,7 @@ def split_vs_whole(names=tuple(SPLIT_CLASSES), steps: int = demo.ADAFACTOR_STEPS
 
 
 def format_split(rows, pieces: int = 2) -> str:
-    lines = [f"the issue's MLP, {demo.ADAFACTOR_STEPS} steps, fp32: torch's class on {pieces} "
+    lines = [f"the user's MLP, {demo.ADAFACTOR_STEPS} steps, fp32: torch's class on {pieces} "
              f"dim-0 row pieces (fully_shard's) against the same class on the whole weights",
              f"{'optimizer':<11}{'kind (optim.OPTIMIZERS)':<25}{'max |split - whole|':>20}"
              f"{'max |whole - start|':>21}"]

@@ -13,7 +13,7 @@ transient peak above them (MemTracker), the seconds of each `opt.step()` after t
 model's seconds for this rank's collectives on the link (the floor the emulator sleeps to), and
 the largest difference of the trained weights to the first layout's.
 
-Part 2, Adafactor (`--adafactor`): the issue's 3-layer MLP (7 outputs) under
+Part 2, Adafactor (`--adafactor`): a user's 3-layer MLP (7 outputs) under
 `zerolab.torchlike.fully_shard`; torch.optim.Adafactor over its shards is refused at its first
 step (the message, and whether anything changed); zerolab.torchlike.Adafactor trains 3 steps:
 the ledger's bytes of its two all_reduces (what "optim_stats") against factored.stats_bytes,
