@@ -164,7 +164,7 @@ def test_unsupported_patterns_are_refused_in_one_line_on_every_rank():
 def test_cli_refuses_bad_hybrid_options_in_one_line():
     from zerolab.run import options
     cases = [(["--stage", "2", "--hybrid", "hsdp"], "run it with --stage 3"),
-             (["--stage", "3", "--hybrid", "hsdp", "--ranks-per-node", "3"], "do not divide"),
+             (["--stage", "3", "--hybrid", "hsdp", "--ranks-per-node", "3"], "does not divide"),
              (["--stage", "3", "--hybrid", "hsdp", "--quantize-weights", "int8"],
               "--quantize-weights .*: ZeRO\\+\\+ \\(hpZ \\+ qwZ \\+ qgZ\\) is --hybrid hpz"),
              (["--stage", "3", "--hybrid", "hsdp", "--save-every", "2"], "--save-every")]
