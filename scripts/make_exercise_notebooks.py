@@ -287,6 +287,9 @@ def predict_notebook() -> nbformat.NotebookNode:
         cells.append(new_code_cell(f'answer("{qid}", None)   # your prediction instead of None'))
         if qid == "pp.2":
             cells.append(new_markdown_cell(
+                "**Where the paper's formula goes astray**, in one sentence (then compare with the "
+                "row fsdp-hybrid of `zerolab papers`): *write it here*"))
+            cells.append(new_markdown_cell(
                 "## Measure\n\nGPT nano on 2 gloo ranks in bf16, DDP and ZeRO-3, 2 steps (about "
                 "10 s). Predict pm.1 - pm.3 first, then run the measurement below."))
     cells += [

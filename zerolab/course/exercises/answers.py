@@ -66,8 +66,9 @@ QUESTIONS: dict[str, Question] = {
                      / sum(theory.traffic_bytes(1e9, 8, 0).values()),
                      "3(n-1)/n·2Ψ / (2(n-1)/n·2Ψ) = 1.5 (theory.traffic_bytes)", "x"),
     "pp.1": Question("The FSDP paper puts hybrid sharding's cross-host traffic at 2M(W-1)/(GW) per "
-                     "GPU (M: the gradient bytes); zerolab's ledger measures less (site/papers.md, "
-                     "row fsdp-hybrid). W = 8 GPUs in hosts of G = 4: each GPU's 1/G shard is "
+                     "GPU (M: the gradient bytes); zerolab's ledger measures less (`zerolab papers` "
+                     "shows both: look after you answer). W = 8 GPUs in hosts of G = 4: each "
+                     "GPU's 1/G shard is "
                      "all-reduced by a ring through the W/G hosts. Predict the ledger's bytes per "
                      "GPU, in M",
                      lambda: _hsdp_cross_host(8, 4),
