@@ -152,42 +152,45 @@ def _compare(comm, store, mine: dict, positions):
 def confirm(comm, label: str, unit: str = ""):
     """Before collectives that some ranks may issue and others not - a block called out of the
     usual order, `gathered()`, the optimizer step (after as many micro-steps on every rank) -
-    wait until every rank of the group announces `label` at this position of its ledger. A rank
-    found waiting in a different collective there (or announcing another label) proves the
+    wait until every rank of the group has announced `label` as often as this rank has. A rank
+    found waiting in a different collective meanwhile (or announcing another label) proves the
     disagreement: CollectiveOrderError, before anything mismatched is sent (gloo aborts the
-    process on a mismatch of sizes, or lets a smaller message land silently). Costs a few store
-    round trips (measured, 2 gloo ranks on one host: about 0.5 ms more than an all_reduce of a
-    scalar)."""
+    process on a mismatch of sizes, or lets a smaller message land silently). The last rank to
+    arrive pays one store round trip; the others poll, and post what they wait for (for a
+    stalled peer to compare) only after POST_AFTER_S. Measured, 2 gloo ranks on one host: about
+    as long as an all_reduce of a scalar."""
     store = _store()
     if store is None or comm.world_size == 1 or comm.backend == "fake":
         return
-    pos, group = len(comm.records), _group(comm)
+    group = _group(comm)
+    k = SERIAL[group, label] = SERIAL.get((group, label), 0) + 1  # the same on every rank
+    count, target = f"zerolab/confirm/{group}/{label}", k * comm.world_size
+    if store.add(count, 1) >= target:
+        return
+    pos, key = len(comm.records), _confirm_key(comm, comm.rank)
     entry = [pos, "confirm", label, unit, 0, comm.current_phase, _passes(comm)]
-    _post(store, _confirm_key(comm, comm.rank), json.dumps(entry), POSTED)
-    serial = SERIAL[group] = SERIAL.get(group, 0) + 1     # the same on every rank, or refused
-    count = f"zerolab/confirm/{group}/{serial}/{pos}/{label}"
-    if comm.rank == 0:                          # the counter two confirms back: every rank
-        kept = COUNTED.setdefault(group, [])    # entered the last one, so has left that one
-        kept.append(count)
-        if len(kept) > 2:
-            store.delete_key(kept.pop(0))
-    store.add(count, 1)
-    delay, waited = 5e-5, 0.0
-    while store.add(count, 0) < comm.world_size:
+    delay, waited, posted = 5e-5, 0.0, False
+    while store.add(count, 0) < target:
         time.sleep(delay)
         waited += delay
         delay = min(2 * delay, 0.05)
+        if not posted and waited >= POST_AFTER_S:
+            _post(store, key, json.dumps(entry), POSTED)
+            posted = True
         if waited >= CHECK_S:               # as long as a collective's slice: compare
-            waited = 0.0
+            waited = POST_AFTER_S
             try:
                 _compare(comm, store, {pos: entry}, [pos])
             except CollectiveOrderError:
                 BROKEN.add(comm.ranks)
-                raise
+                raise                       # (the post stays: the others read it)
+    if posted:                              # passed: no longer waiting there
+        POSTED.discard(key)
+        store.add(key + "/n", -1)
 
 
-COUNTED: dict = {}      # group -> counters of its last confirms (rank 0 deletes them, later)
-SERIAL: dict = {}       # group -> confirms so far in this process (keys never reused)
+POST_AFTER_S = 0.005    # a confirm waiting longer than this posts its entry
+SERIAL: dict = {}       # (group, label) -> confirms of that label so far in this process
 
 
 def _passes(comm) -> dict:
