@@ -56,6 +56,7 @@ import torch.distributed as dist
 from .. import theory
 from ..compose import make_strategy
 from ..timing import linkemu
+from . import commfloor
 from ..comm import Comm
 from ..data import get_batch, load_tokens, rank_slice
 from ..model import GPT, get_config, num_params
@@ -193,26 +194,33 @@ def peak_bytes(system, x, y) -> int:
                           external=system.held())["peak_absolute"]
 
 
-def count_traffic(system, x, y) -> tuple[float, int]:
-    """(per-rank ring bytes, collectives) of one step: torch's systems seen by a c10d dispatch
-    counter, zerolab's from its ledger (logical ring bytes: on gloo zerolab issues a
+def count_traffic(system, x, y) -> tuple[float, int, list | None]:
+    """(per-rank ring bytes, collectives, schedule) of one step: torch's systems seen by a c10d
+    dispatch counter, zerolab's from its ledger (logical ring bytes: on gloo zerolab issues a
     reduce_scatter as an in-place all_reduce plus a slice, which the counter would count as an
-    all_reduce; gloo's own reduce_scatter, which FSDP2 uses, is the same all_reduce underneath)."""
+    all_reduce; gloo's own reduce_scatter, which FSDP2 uses, is the same all_reduce underneath).
+    schedule: [(op, numel, dtype)] in issue order for `commfloor.replay`; None when an op ran on
+    a group smaller than the world (not replayed)."""
     comm = system.strategy.comm if system.strategy is not None else system.comm
+    n = dist.get_world_size()
     if comm is not None:                    # zerolab's, and zerolab's behind torch's names
         first = len(comm.records)
         system.step(x, y)
         rows = comm.records[first:]
-        return sum(r.bytes for r in rows), len(rows)
+        schedule = [(r.op, r.numel, getattr(torch, r.dtype.split(".")[1])) for r in rows]
+        whole = all(r.group_size == n for r in rows)
+        return sum(r.bytes for r in rows), len(rows), schedule if whole else None
     from .demos.fsdp import CollectiveCounter
     with CollectiveCounter() as counter:
         system.step(x, y)
-    total = 0.0
+    total, schedule = 0.0, []
     for row in counter.rows:
-        n = len(row["group"]) if row["group"] else dist.get_world_size()
-        width = getattr(torch, row["dtype"].split(".")[1]).itemsize
-        total += row["numel"] * width * theory.RING_FACTOR[row["op"]](n)
-    return total, len(counter.rows)
+        size = len(row["group"]) if row["group"] else n
+        dtype = getattr(torch, row["dtype"].split(".")[1])
+        total += row["numel"] * dtype.itemsize * theory.RING_FACTOR[row["op"]](size)
+        schedule = schedule if schedule is None or size != n else schedule + [
+            (row["op"], row["numel"], dtype)]
+    return total, len(counter.rows), schedule
 
 
 MODULE = "zerolab.course.bench"             # what torchrun starts on every rank
@@ -312,10 +320,12 @@ def run(args) -> dict | None:
     x, y = get_batch(tokens, 0, args.batch_size, cfg.block_size, args.seed)
     x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
     traffic = {s.name: count_traffic(s, x, y) for s in systems}
+    comm_s = {s.name: (commfloor.replay(traffic[s.name][2]) if traffic[s.name][2] is not None
+                       and comm.link is None else None) for s in systems}   # same on every rank
     memory = {s.name: s.state_bytes() for s in systems}
     peaks = {s.name: peak_bytes(s, x, y) for s in systems}
     gathered = [None] * n
-    dist.all_gather_object(gathered, (times, peaks, cpu))
+    dist.all_gather_object(gathered, (times, peaks, cpu, comm_s))
     if rank != 0:
         return None
     rows = []
@@ -329,12 +339,14 @@ def run(args) -> dict | None:
                      "peak_bytes": max(g[1][s.name] for g in gathered),
                      "peak_bytes_by_rank": [g[1][s.name] for g in gathered],
                      "bytes_per_step": traffic[s.name][0],
-                     "collectives_per_step": traffic[s.name][1]})
+                     "collectives_per_step": traffic[s.name][1],
+                     "comm_alone": _slowest_replay([g[3][s.name] for g in gathered])})
     ref = {r["system"]: r for r in rows}
     for row in rows:
         for key, est in (("", "median_s"), ("_min", "min_s"), ("_cpu", "cpu_median_s")):
             row["vs_torch_ddp" + key] = (row[est] / ref["torch-ddp"][est] if "torch-ddp" in ref
                                          else None)
+        row["comm_floor"] = _comm_floor(row, ref.get("torch-ddp"))
         row["vs_fsdp2"] = (row["median_s"] / ref["fsdp2-reshard"]["median_s"]
                            if "fsdp2-reshard" in ref else None)
     with torch.device("meta"):
@@ -348,6 +360,22 @@ def run(args) -> dict | None:
                      if args.link_gbps else None), "rows": rows}
 
 
+def _slowest_replay(per_rank: list) -> dict | None:
+    """The replayed collectives' seconds of the slowest rank (None: not replayed)."""
+    if any(r is None for r in per_rank):
+        return None
+    return {"wall_s": max(r["wall_s"] for r in per_rank),
+            "cpu_s": max(r["cpu_s"] for r in per_rank), "ops": per_rank[0]["ops"]}
+
+
+def _comm_floor(row: dict, ddp: dict | None) -> float | None:
+    """x torch DDP in CPU seconds if everything but the collectives cost what torch DDP's step
+    does: 1 + (this system's replayed collectives - torch DDP's) / torch DDP's step CPU."""
+    if ddp is None or row["comm_alone"] is None or ddp["comm_alone"] is None:
+        return None
+    return 1 + (row["comm_alone"]["cpu_s"] - ddp["comm_alone"]["cpu_s"]) / ddp["cpu_median_s"]
+
+
 def format_table(summary: dict) -> str:
     """The bench table: median ms, spread, ratios, MB per rank, MB moved, collectives."""
     link = summary["link"]
@@ -357,7 +385,7 @@ def format_table(summary: dict) -> str:
              + (f", zerolab buckets {summary['bucket_mb']:g} MiB" if summary.get("bucket_mb")
                 else ""),
              f"{'system':<24}{'median ms':>10}{'min-max ms':>16}{'x torch DDP':>12}{'min':>6}"
-             f"{'cpu':>6}{'x FSDP2':>9}"
+             f"{'cpu':>6}{'comm':>6}{'x FSDP2':>9}"
              f"{'states MB':>11}{'B/Ψ':>6}{'peak MB':>9}{'moved MB':>10}{'colls':>7}"]
     psi = summary.get("num_params")
     for r in summary["rows"]:
@@ -366,14 +394,18 @@ def format_table(summary: dict) -> str:
         per_param = f"{r['state_bytes'] / psi:.1f}" if psi else "-"
         lines.append(f"{r['system']:<24}{r['median_s'] * 1e3:>10.1f}{spread:>16}"
                      f"{ratio(r['vs_torch_ddp']):>12}{ratio(r.get('vs_torch_ddp_min')):>6}"
-                     f"{ratio(r.get('vs_torch_ddp_cpu')):>6}{ratio(r['vs_fsdp2']):>9}"
+                     f"{ratio(r.get('vs_torch_ddp_cpu')):>6}{ratio(r.get('comm_floor')):>6}"
+                     f"{ratio(r['vs_fsdp2']):>9}"
                      f"{r['state_bytes'] / 1e6:>11.2f}{per_param:>6}{r['peak_bytes'] / 1e6:>9.2f}"
                      f"{r['bytes_per_step'] / 1e6:>10.2f}"
                      f"{r['collectives_per_step']:>7}")
     names = [r["system"] for r in summary["rows"]]
     lines += textwrap.wrap(
         "x torch DDP / x FSDP2: median step time over torch-ddp's / fsdp2-reshard's; min, cpu: "
-        "the same ratio of the fastest round, and of the median CPU seconds. states: "
+        "the same ratio of the fastest round, and of the median CPU seconds; comm: the CPU ratio "
+        "if all but the collectives cost what torch DDP's step does (the step's collectives "
+        "replayed alone, same sizes and order: course/commfloor.py; on a CPU machine gloo's "
+        "copies and sums share the cores with the model, so no overlap hides them). states: "
         "model-state bytes per rank between steps; B/Ψ: states per parameter - fp32, so zerolab "
         "DDP holds 20 (weight, gradient, fp32 master copy, exp_avg, exp_avg_sq: 4 each; zerolab "
         "keeps the master copy in fp32 runs too) and torch DDP 16 (AdamW updates the weights in "

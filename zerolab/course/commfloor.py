@@ -1,0 +1,70 @@
+"""A step's collectives replayed alone: the part of a bench ratio that communication sets.
+
+Idea: a bench ratio (`zerolab bench`, course/bench.py) mixes compute, Python and communication.
+Replaying one step's collectives - the same ops, sizes, dtypes and order, on the same process
+group, with no model around them - measures the communication by itself. On a CPU machine the
+copies and sums gloo does run on the cores the model computes on (2 ranks on 2 cores: no idle
+core to overlap into), so their CPU seconds add to the step's whatever the overlap: the
+difference between two systems' replayed collectives is a floor under the difference between
+their steps. ZeRO-3 moves 1.5x DDP's bytes (the notes' 3 x (n-1)/n · 2Ψ against 2 x), and its
+extra all_gathers alone cost it a few per cent of torch DDP's step on `small`: a ratio to torch
+DDP below 1 + (extra collective CPU) / (torch DDP's step CPU) is out of reach on that machine,
+whoever writes the ZeRO-3.
+
+The schedule comes from what the step really issued (course/bench.py's `count_traffic`: zerolab's
+ledger, torch's c10d ops seen by a dispatch counter). A reduce_scatter replays as gloo runs it (an
+in-place all_reduce: zerolab's Comm and gloo's own reduce_scatter both do; on NCCL a real
+reduce_scatter). Each op is issued and waited for in turn, so the replay's wall time is the sum
+of the latencies (an upper bound on the exposed time); its CPU seconds (the process's, gloo's
+threads included) are what the overlap cannot hide on a machine without spare cores.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 names them *_single (the *_tensor names warn); older torch: the *_tensor ones
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REPLAYED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def replay(schedule: list[tuple[str, int, torch.dtype]], repeats: int = 7,
+           device: torch.device | str = "cpu") -> dict:
+    """Issue `schedule` - [(op, numel S of the full tensor, dtype)] in order, on the default group
+    - `repeats` times after one untimed pass; return {"wall_s", "cpu_s"} (medians over the
+    repeats, seconds, this rank) and {"ops"}: how many were replayed. An op outside `REPLAYED`
+    (all_to_all, say) raises ValueError naming it. Every rank must call it with the same
+    schedule (a collective)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    bufs = []
+    for op, numel, dtype in schedule:
+        if op not in REPLAYED:
+            raise ValueError(f"replay: op {op!r} is not replayed; it takes {', '.join(REPLAYED)}")
+        if op in ("all_gather", "reduce_scatter"):   # whole chunks, as the strategies pad
+            numel = max(n, numel - numel % n)
+        full = torch.zeros(numel, dtype=dtype, device=device)
+        bufs.append((op, full, full.narrow(0, rank * (numel // n), numel // n).clone()
+                     if op in ("all_gather", "reduce_scatter") else None))
+    on_gloo = dist.get_backend() == "gloo"
+    walls, cpus = [], []
+    for k in range(repeats + 1):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for op, full, chunk in bufs:
+            if op == "all_reduce" or (op == "reduce_scatter" and on_gloo):
+                dist.all_reduce(full)
+            elif op == "reduce_scatter":
+                _reduce_scatter(chunk, full)
+            elif op == "all_gather":
+                _all_gather(full, chunk)
+            else:
+                dist.broadcast(full, 0)
+        if k:
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
+            "ops": len(bufs)}
