@@ -23,8 +23,6 @@ silent difference. This module holds the pieces the strategies share for that:
 """
 from __future__ import annotations
 
-import zlib
-
 import torch
 
 # Tensor methods and attributes that only read metadata (shape, dtype, device, autograd flags)
@@ -396,37 +394,7 @@ def refuse_state_dict(modules, gathered) -> list:
         m.register_load_state_dict_pre_hook(lambda *_: check(0, 0, False, "load_")))]
 
 
-# --- what every rank must agree on (ZeRO-3: every micro-step gathers) -------------------------
-def agree(comm, sync: bool, since: int, device="cpu") -> int:
-    """Before a ZeRO-3 backward: every rank passed the same `sync`, and issued the same
-    all_gathers (op, unit, size of each "params" record of `comm`'s ledger after record `since`).
-    One all_reduce (max) of 4 int64 (ledger: what "metric", unit "agree"). Returns the new
-    `since`. device: where the backend reduces (CUDA for NCCL). RuntimeError (one line, on
-    every rank) when they differ: uneven micro-steps, or blocks called in an order that differs
-    between ranks (when the counts of gathers differ, the ranks cannot get here: their
-    collectives already mismatched)."""
-    records = comm.records
-    if torch.device(device).type == "meta":     # zerolab.timing.whatif: no values to compare
-        return len(records)
-    seq = "|".join(f"{r.op}:{r.unit}:{r.numel}" for r in records[min(since, len(records)):]
-                   if r.what == "params")
-    h = zlib.crc32(seq.encode())
-    flags = torch.tensor([int(sync), -int(sync), h, -h], dtype=torch.int64, device=device)
-    with comm.phase("backward"):
-        comm.all_reduce(flags, what="metric", unit="agree", op="max")
-    if flags[0] != -flags[1]:
-        raise RuntimeError(
-            f"ranks disagree on sync at this backward (rank {comm.rank}: sync={sync}): ZeRO-3 "
-            "gathers the weights in every micro-step, so every rank must run the same number of "
-            "micro-steps; give every rank as many, or use ZeRO-2 (sync=False accumulates locally)")
-    if flags[2] != -flags[3]:
-        raise RuntimeError(
-            "ranks issued different all_gathers since the last backward (blocks called in an "
-            "order or number that differs between ranks): ZeRO-3 needs every rank to call the "
-            "blocks in the same sequence (FSDP2 too); skipping blocks is fine")
-    return len(records)
-
-
+# --- what every rank must agree on (the loop's edits; ZeRO-3's gathers: order.agree) ---------
 def fingerprint(units) -> torch.Tensor:
     """[2 x units] int64: two checksums of each unit's full weights `param_flat` (the sum of
     their bits, and that sum weighted by position), enough to tell an edit from none."""

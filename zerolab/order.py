@@ -25,6 +25,9 @@ each rank ran and how to even them (a batch the rank has, with its loss times 0;
 stage allows, `sync=False` and `strategy.sync_grads()`). `Strategy.step` confirms first, so a
 rank that steps early never sends a step's collective into another rank's micro-step (gloo
 would abort on the size, or land a smaller message silently).
+`agree` is ZeRO-3's check before each backward (it gathers in every micro-step): one
+all_reduce of the ranks' `sync` flags and a hash of the all_gathers each issued since the last
+one, so a difference stops every rank with one line instead of pairing collectives wrongly.
 
 The fix the message gives: make every rank issue the same sequence - call the blocks in one
 order, or make a group of blocks whose order varies one unit, gathered and reduced together
@@ -40,6 +43,9 @@ from __future__ import annotations
 import datetime
 import json
 import time
+import zlib
+
+import torch
 
 CHECK_S = 2.0           # seconds a gloo wait runs before this rank compares its ledger
 TAIL = 64               # records compared (the most recent ones)
@@ -272,3 +278,33 @@ def _store_delete(comm):
     if store is not None and key in POSTED:
         POSTED.discard(key)
         store.add(key + "/n", -1)
+
+
+def agree(comm, sync: bool, since: int, device="cpu") -> int:
+    """Before a ZeRO-3 backward: every rank passed the same `sync`, and issued the same
+    all_gathers (op, unit, size of each "params" record of `comm`'s ledger after record `since`).
+    One all_reduce (max) of 4 int64 (ledger: what "metric", unit "agree"). Returns the new
+    `since`. device: where the backend reduces (CUDA for NCCL). RuntimeError (one line, on
+    every rank) when they differ: uneven micro-steps, or blocks called in an order that differs
+    between ranks (when the counts of gathers differ, the ranks cannot get here: their
+    collectives already mismatched)."""
+    records = comm.records
+    if torch.device(device).type == "meta":     # zerolab.timing.whatif: no values to compare
+        return len(records)
+    seq = "|".join(f"{r.op}:{r.unit}:{r.numel}" for r in records[min(since, len(records)):]
+                   if r.what == "params")
+    h = zlib.crc32(seq.encode())
+    flags = torch.tensor([int(sync), -int(sync), h, -h], dtype=torch.int64, device=device)
+    with comm.phase("backward"):
+        comm.all_reduce(flags, what="metric", unit="agree", op="max")
+    if flags[0] != -flags[1]:
+        raise RuntimeError(
+            f"ranks disagree on sync at this backward (rank {comm.rank}: sync={sync}): ZeRO-3 "
+            "gathers the weights in every micro-step, so every rank must run the same number of "
+            "micro-steps; give every rank as many, or use ZeRO-2 (sync=False accumulates locally)")
+    if flags[2] != -flags[3]:
+        raise RuntimeError(
+            "ranks issued different all_gathers since the last backward (blocks called in an "
+            "order or number that differs between ranks): ZeRO-3 needs every rank to call the "
+            "blocks in the same sequence (FSDP2 too); skipping blocks is fine")
+    return len(records)

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from .guards import (ShardedGrad, agree, check_edits, check_untouched, claim_grads,
+from .guards import (ShardedGrad, check_edits, check_untouched, claim_grads,
                      claim_shard_grads, refuse_state_dict, shard_grads, take_replaced)
 from .optim import adam_state
-from .order import confirm
+from .order import agree, confirm
 from .sharding import (alloc_storage, free_storage, keep_own_range, on_post_backward,
                        on_pre_backward)
 from .strategy import Strategy

@@ -194,35 +194,6 @@ def peak_bytes(system, x, y) -> int:
                           external=system.held())["peak_absolute"]
 
 
-def count_traffic(system, x, y) -> tuple[float, int, list | None]:
-    """(per-rank ring bytes, collectives, schedule) of one step: torch's systems seen by a c10d
-    dispatch counter, zerolab's from its ledger (logical ring bytes: on gloo zerolab issues a
-    reduce_scatter as an in-place all_reduce plus a slice, which the counter would count as an
-    all_reduce; gloo's own reduce_scatter, which FSDP2 uses, is the same all_reduce underneath).
-    schedule: [(op, numel, dtype)] in issue order for `commfloor.replay`; None when an op ran on
-    a group smaller than the world (not replayed)."""
-    comm = system.strategy.comm if system.strategy is not None else system.comm
-    n = dist.get_world_size()
-    if comm is not None:                    # zerolab's, and zerolab's behind torch's names
-        first = len(comm.records)
-        system.step(x, y)
-        rows = comm.records[first:]
-        schedule = [(r.op, r.numel, getattr(torch, r.dtype.split(".")[1])) for r in rows]
-        whole = all(r.group_size == n for r in rows)
-        return sum(r.bytes for r in rows), len(rows), schedule if whole else None
-    from .demos.fsdp import CollectiveCounter
-    with CollectiveCounter() as counter:
-        system.step(x, y)
-    total, schedule = 0.0, []
-    for row in counter.rows:
-        size = len(row["group"]) if row["group"] else n
-        dtype = getattr(torch, row["dtype"].split(".")[1])
-        total += row["numel"] * dtype.itemsize * theory.RING_FACTOR[row["op"]](size)
-        schedule = schedule if schedule is None or size != n else schedule + [
-            (row["op"], row["numel"], dtype)]
-    return total, len(counter.rows), schedule
-
-
 MODULE = "zerolab.course.bench"             # what torchrun starts on every rank
 # the systems `--meter-cost` times (zerolab.course.metercost): zerolab train's step of each stage
 METER_STAGES = {"zerolab-ddp": 0, "zerolab-zero1": 1, "zerolab-zero2": 2, "zerolab-zero3": 3}
@@ -319,7 +290,7 @@ def run(args) -> dict | None:
                 cpu[s.name].append(time.process_time() - c0)
     x, y = get_batch(tokens, 0, args.batch_size, cfg.block_size, args.seed)
     x, y = rank_slice(x, rank, n), rank_slice(y, rank, n)
-    traffic = {s.name: count_traffic(s, x, y) for s in systems}
+    traffic = {s.name: commfloor.count_traffic(s, x, y) for s in systems}
     comm_s = {s.name: (commfloor.replay(traffic[s.name][2]) if traffic[s.name][2] is not None
                        and comm.link is None else None) for s in systems}   # same on every rank
     memory = {s.name: s.state_bytes() for s in systems}
@@ -340,13 +311,13 @@ def run(args) -> dict | None:
                      "peak_bytes_by_rank": [g[1][s.name] for g in gathered],
                      "bytes_per_step": traffic[s.name][0],
                      "collectives_per_step": traffic[s.name][1],
-                     "comm_alone": _slowest_replay([g[3][s.name] for g in gathered])})
+                     "comm_alone": commfloor.slowest_replay([g[3][s.name] for g in gathered])})
     ref = {r["system"]: r for r in rows}
     for row in rows:
         for key, est in (("", "median_s"), ("_min", "min_s"), ("_cpu", "cpu_median_s")):
             row["vs_torch_ddp" + key] = (row[est] / ref["torch-ddp"][est] if "torch-ddp" in ref
                                          else None)
-        row["comm_floor"] = _comm_floor(row, ref.get("torch-ddp"))
+        row["comm_floor"] = commfloor.comm_floor(row, ref.get("torch-ddp"))
         row["vs_fsdp2"] = (row["median_s"] / ref["fsdp2-reshard"]["median_s"]
                            if "fsdp2-reshard" in ref else None)
     with torch.device("meta"):
@@ -358,22 +329,6 @@ def run(args) -> dict | None:
             "requested": [s.strip() for s in args.systems.split(",") if s.strip()],
             "link": ({"gbps": args.link_gbps, "latency_us": args.link_latency_us or 0.0}
                      if args.link_gbps else None), "rows": rows}
-
-
-def _slowest_replay(per_rank: list) -> dict | None:
-    """The replayed collectives' seconds of the slowest rank (None: not replayed)."""
-    if any(r is None for r in per_rank):
-        return None
-    return {"wall_s": max(r["wall_s"] for r in per_rank),
-            "cpu_s": max(r["cpu_s"] for r in per_rank), "ops": per_rank[0]["ops"]}
-
-
-def _comm_floor(row: dict, ddp: dict | None) -> float | None:
-    """x torch DDP in CPU seconds if everything but the collectives cost what torch DDP's step
-    does: 1 + (this system's replayed collectives - torch DDP's) / torch DDP's step CPU."""
-    if ddp is None or row["comm_alone"] is None or ddp["comm_alone"] is None:
-        return None
-    return 1 + (row["comm_alone"]["cpu_s"] - ddp["comm_alone"]["cpu_s"]) / ddp["cpu_median_s"]
 
 
 def format_table(summary: dict) -> str:

@@ -11,7 +11,7 @@ extra all_gathers alone cost it a few per cent of torch DDP's step on `small`: a
 DDP below 1 + (extra collective CPU) / (torch DDP's step CPU) is out of reach on that machine,
 whoever writes the ZeRO-3.
 
-The schedule comes from what the step really issued (course/bench.py's `count_traffic`: zerolab's
+The schedule comes from what the step really issued (`count_traffic`: zerolab's
 ledger, torch's c10d ops seen by a dispatch counter). A reduce_scatter replays as gloo runs it (an
 in-place all_reduce: zerolab's Comm and gloo's own reduce_scatter both do; on NCCL a real
 reduce_scatter). Each op is issued and waited for in turn, so the replay's wall time is the sum
@@ -25,6 +25,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from .. import theory
 
 # torch 2.13 names them *_single (the *_tensor names warn); older torch: the *_tensor ones
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -68,3 +70,48 @@ def replay(schedule: list[tuple[str, int, torch.dtype]], repeats: int = 7,
             cpus.append(time.process_time() - c0)
     return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
             "ops": len(bufs)}
+
+
+def count_traffic(system, x, y) -> tuple[float, int, list | None]:
+    """(per-rank ring bytes, collectives, schedule) of one step: torch's systems seen by a c10d
+    dispatch counter, zerolab's from its ledger (logical ring bytes: on gloo zerolab issues a
+    reduce_scatter as an in-place all_reduce plus a slice, which the counter would count as an
+    all_reduce; gloo's own reduce_scatter, which FSDP2 uses, is the same all_reduce underneath).
+    schedule: [(op, numel, dtype)] in issue order for `commfloor.replay`; None when an op ran on
+    a group smaller than the world (not replayed)."""
+    comm = system.strategy.comm if system.strategy is not None else system.comm
+    n = dist.get_world_size()
+    if comm is not None:                    # zerolab's, and zerolab's behind torch's names
+        first = len(comm.records)
+        system.step(x, y)
+        rows = comm.records[first:]
+        schedule = [(r.op, r.numel, getattr(torch, r.dtype.split(".")[1])) for r in rows]
+        whole = all(r.group_size == n for r in rows)
+        return sum(r.bytes for r in rows), len(rows), schedule if whole else None
+    from .demos.fsdp import CollectiveCounter
+    with CollectiveCounter() as counter:
+        system.step(x, y)
+    total, schedule = 0.0, []
+    for row in counter.rows:
+        size = len(row["group"]) if row["group"] else n
+        dtype = getattr(torch, row["dtype"].split(".")[1])
+        total += row["numel"] * dtype.itemsize * theory.RING_FACTOR[row["op"]](size)
+        schedule = schedule if schedule is None or size != n else schedule + [
+            (row["op"], row["numel"], dtype)]
+    return total, len(counter.rows), schedule
+
+
+def slowest_replay(per_rank: list) -> dict | None:
+    """The replayed collectives' seconds of the slowest rank (None: not replayed)."""
+    if any(r is None for r in per_rank):
+        return None
+    return {"wall_s": max(r["wall_s"] for r in per_rank),
+            "cpu_s": max(r["cpu_s"] for r in per_rank), "ops": per_rank[0]["ops"]}
+
+
+def comm_floor(row: dict, ddp: dict | None) -> float | None:
+    """x torch DDP in CPU seconds if everything but the collectives cost what torch DDP's step
+    does: 1 + (this system's replayed collectives - torch DDP's) / torch DDP's step CPU."""
+    if ddp is None or row["comm_alone"] is None or ddp["comm_alone"] is None:
+        return None
+    return 1 + (row["comm_alone"]["cpu_s"] - ddp["comm_alone"]["cpu_s"]) / ddp["cpu_median_s"]
