@@ -16,6 +16,9 @@ before it plus activations, gradients, buckets, gathered weights and temporaries
 over ranks), and bytes and collectives per step (torch's systems counted by a TorchDispatchMode
 that sees c10d ops, course/demos/fsdp.py's counter; zerolab's by its ledger, which names a gloo
 reduce_scatter as one although it runs as an in-place all_reduce; one extra untimed step).
+Then each system's step collectives are replayed alone, same sizes and order (course/commfloor.py):
+the `comm` column is the CPU ratio to torch DDP if all but the collectives cost what torch
+DDP's step does - the part of a ratio that communication sets on this machine.
 The torchlike-* systems are zerolab's stages behind torch's interfaces (zerolab.torchlike:
 DistributedDataParallel with torch's 25 MiB buckets, + ZeroRedundancyOptimizer, fully_shard with
 layout dim0 and flat), run by the same loop as torch's systems; `--systems` picks them.
