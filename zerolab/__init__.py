@@ -22,6 +22,8 @@ the few modules they stand on, read in this order, each importing only those abo
     strategy    the frame the four stages share: build, backward, step, what a loop may read
     ddp, zero1, zero2, zero3   the stages, the notes' algorithm each: who holds what (hold),
                 the gradient hook, the update - `diff zero2.py zero3.py` is the lesson
+    zero3loop   ZeRO-3 inside a real loop: gathered(), checkpoints, skipped blocks (a mixin of
+                ZeRO3, so that zero3.py holds the algorithm)
 
 and the variants of the stages, each in a module beside them, a subclass, a mixin or a wrapped
 Comm (none of them is imported by a stage's file):

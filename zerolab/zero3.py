@@ -15,19 +15,20 @@ Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py (the frame: zerolab/stra
 hold (who holds what) / backward's hooks / update (the step) / state_tensors / checkpoint.
 Variants, each in its own module: another prefetch depth, the root kept from forward into
 backward (zerolab/prefetch.py), quantized collectives (zerolab/quant.py), hybrid sharding
-(zerolab/hybrid.py), the loop's own optimizer on the shards (zerolab/loopstep.py).
+(zerolab/hybrid.py), the loop's own optimizer on the shards (zerolab/loopstep.py). What a loop
+does besides forward, backward and step - gathered(), checkpoints, skipped blocks - is the mixin
+`ZeRO3Loop` (zerolab/zero3loop.py).
 """
 from __future__ import annotations
 
 import torch
 
-from .guards import (ShardedGrad, check_edits, check_untouched, claim_grads,
-                     claim_shard_grads, refuse_state_dict, shard_grads, take_replaced)
-from .optim import adam_state
-from .order import agree, confirm
-from .sharding import (alloc_storage, free_storage, keep_own_range, on_post_backward,
-                       on_pre_backward)
+from .guards import (ShardedGrad, check_untouched, claim_grads, claim_shard_grads,
+                     refuse_state_dict, shard_grads)
+from .order import agree
+from .sharding import alloc_storage, free_storage, on_post_backward, on_pre_backward
 from .strategy import Strategy
+from .zero3loop import ZeRO3Loop
 
 SHARDED = ("ZeRO-3 holds only this rank's shard of the weights outside forward/backward: read "
            "or change them inside `with strategy.gathered():` (modifier_rank=r to keep changes)")
@@ -48,7 +49,7 @@ def free_params(unit):
     free_storage(unit.param_flat)
 
 
-class ZeRO3(Strategy):
+class ZeRO3(ZeRO3Loop, Strategy):
     """Stage 3 around `model` on the ranks of `comm` (zerolab.comm.Comm); the options are
     `Strategy`'s (no bucket_mb: a unit is one block, gathered and reduced on its own). As in
     FSDP2, a block is gathered by its own pre-forward hook and again by its pre-backward hook;
@@ -91,9 +92,6 @@ class ZeRO3(Strategy):
                                    device=u.param_flat.device)  # [Ψ_u/N] bf16, this rank's range
         u.unbind_params(SHARDED)                                # the parameters: placeholders
         free_storage(u.param_flat)                              # the full buffer's bytes go
-
-    def weights_readable(self) -> bool:     # state_dict(): only inside gathered()
-        return self.pinned
 
     def _gather(self, u):
         if self.pinned or u.gathered:       # inside gathered(), or gathered already this pass
@@ -155,24 +153,13 @@ class ZeRO3(Strategy):
             self._gather(u)
             return args
         k = self.blocks.index(u)
-        if k < self.next_block and not (u.gathered or self.pinned or u.name in self.prefetched):
-            confirm(self.comm, f"all_gather params {u.name} (called again or out of order)",
-                    u.name)                 # only if every rank does: zerolab/order.py
-        self._catch_up(k)
+        self._catch_up(k)                   # blocks skipped, or u called again: zero3loop.py
         self.next_block = max(self.next_block, k + 1)
         self._gather(u)
         if not torch.is_grad_enabled():
             return args
         u.pending += 1                      # one more backward of this block to come (FSDP2's
         return on_post_backward(args, lambda: self._post_backward(u))   # count: see claim)
-
-    def _catch_up(self, upto: int):
-        # blocks this rank's forward skipped (data-dependent control flow) are gathered and freed
-        # anyway, so that every rank issues the same all_gathers in the same order
-        for skipped in self.blocks[self.next_block:upto]:
-            self._gather(skipped)
-            self._free(skipped)
-        self.next_block = max(self.next_block, upto)
 
     def _post_forward(self, u):
         if self.comm.current_phase != "backward" and self.reshard_after_forward(u):
@@ -276,9 +263,6 @@ class ZeRO3(Strategy):
         for p in u.params:
             p.grad = None
 
-    def _adopt_edits(self):                 # placeholders: edits go through gathered()
-        pass
-
     # --- what this rank holds ----------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [u.param_shard for u in self.units],
@@ -288,38 +272,3 @@ class ZeRO3(Strategy):
                     p.grad for u in self.units for p in u.params
                     if type(p.grad) is not ShardedGrad],
                 "reduce_scatter_out": [u.rs_out for u in self.units], **self.optimizer_tensors()}
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """{name: fp32 copy} of every parameter, gathered (ledger phase "eval")."""
-        with self.gathered():
-            return super().full_parameters()
-
-    def unshard(self):                      # gathered(): every unit, pinned until reshard()
-        if self.pinned:
-            raise RuntimeError("strategy.gathered() blocks do not nest")
-        confirm(self.comm, "gathered()")    # on every rank, or refused: zerolab/order.py
-        with self.comm.phase("eval"):
-            for u in self.units:
-                self._gather(u)
-        self.pinned = True
-
-    def reshard(self):
-        self.pinned = False
-        for u in self.units:
-            self._free(u)
-
-    def keep_edits(self, modifier_rank, before):
-        for u in self.units:                # `p.data = t` inside the block: t's values count
-            take_replaced(u, u.param_flat)
-        if modifier_rank is not None:       # rank r's weights into every rank's shards
-            self.write_back(modifier_rank)
-        elif check_edits(self.comm, self.units, before):   # the same edit on every rank
-            keep_own_range(self, sharded=True)
-
-    # --- checkpoint: this rank's range out, logical (unpadded) state in -----------------------
-    def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {u.name: {"params": u.param_shard, **adam_state(self.optimizer, u.master)}
-                for u in self.units}
-
-    def load_params(self, u, full: torch.Tensor):
-        u.param_shard.copy_(u.own(full))                        # [Ψ_u/N] own range
