@@ -12,12 +12,13 @@ bytes, one more gathered block alive.
     torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 3 --preset tiny --steps 3
 
 Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py (the frame: zerolab/strategy.py):
-hold (who holds what) / backward's hooks / update (the step) / state_tensors / checkpoint.
+hold (who holds what) / backward's hooks / update (the step) / state_tensors / checkpoint
+(ZeRO-3's: the mixin below).
 Variants, each in its own module: another prefetch depth, the root kept from forward into
 backward (zerolab/prefetch.py), quantized collectives (zerolab/quant.py), hybrid sharding
 (zerolab/hybrid.py), the loop's own optimizer on the shards (zerolab/loopstep.py). What a loop
-does besides forward, backward and step - gathered(), checkpoints, skipped blocks - is the mixin
-`ZeRO3Loop` (zerolab/zero3loop.py).
+does besides forward, backward and step - the unshard / reshard / keep_edits that the frame's
+gathered() calls, checkpoints, skipped blocks - is the mixin `ZeRO3Loop` (zerolab/zero3loop.py).
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ frame, zerolab/strategy.py, does them); ZeRO-3 holds only shards, so each needs 
 gathered on every rank, or the same collectives issued on every rank. These are ZeRO-3's
 answers, a mixin of `ZeRO3` (`class ZeRO3(ZeRO3Loop, Strategy)`) kept out of the lesson's file:
 
-    gathered()          unshard / reshard / keep_edits: every unit gathered and pinned, the
-                        loop's edits written back into every rank's shards
+    gathered()          the frame's (strategy.py) calls unshard / reshard / keep_edits: every
+                        unit gathered and pinned, the loop's edits written into every shard
     full_parameters()   an fp32 copy of every weight, gathered
     checkpoints         shard_state / load_params: this rank's range of the weights
     skipped blocks      `_catch_up`: a block this rank's forward skipped is gathered and freed

@@ -40,8 +40,9 @@ do not pass through it. On a shared machine the figures are noisy: read the spre
 Gradient bucket size: `--bucket-mb MB` for every zerolab DDP / ZeRO-1 / ZeRO-2 system, or a
 system named NAME@MB (e.g. `--systems zerolab-ddp,zerolab-ddp@4,zerolab-ddp@25,torch-ddp`) to
 interleave several bucket sizes in one run (MiB, torch DDP's bucket_cap_mb unit; zerolab's own
-default is one bucket per block). bench writes OUT/bench.json (or OUT/meter_cost.json) and
-replaces an earlier one; it keeps no run manifest (training runs do: run/folders.py).
+default is one bucket per block). bench writes OUT/bench.json (or OUT/meter_cost.json) and a run
+manifest, OUT/run.json; an earlier run's files move aside to OUT.1, ... (--overwrite deletes them
+instead: run/folders.py).
 """
 from __future__ import annotations
 
@@ -362,8 +363,10 @@ def format_table(summary: dict) -> str:
         "x torch DDP / x FSDP2: median step time over torch-ddp's / fsdp2-reshard's; min, cpu: "
         "the same ratio of the fastest round, and of the median CPU seconds; comm: the CPU ratio "
         "if all but the collectives cost what torch DDP's step does (the step's collectives "
-        "replayed alone, same sizes and order: course/commfloor.py; on a CPU machine gloo's "
-        "copies and sums share the cores with the model, so no overlap hides them). states: "
+        "replayed alone, same sizes and order: zerolab/course/commfloor.py), a floor under cpu "
+        "on a CPU machine, where gloo's copies and sums share the cores with the model and no "
+        "overlap hides them (cpu - comm: the local work); - with --link-gbps or a collective on "
+        "a subgroup (not replayed). states: "
         "model-state bytes per rank between steps; B/Ψ: states per parameter - fp32, so zerolab "
         "DDP holds 20 (weight, gradient, fp32 master copy, exp_avg, exp_avg_sq: 4 each; zerolab "
         "keeps the master copy in fp32 runs too) and torch DDP 16 (AdamW updates the weights in "

@@ -6,10 +6,12 @@ group, with no model around them - measures the communication by itself. On a CP
 copies and sums gloo does run on the cores the model computes on (2 ranks on 2 cores: no idle
 core to overlap into), so their CPU seconds add to the step's whatever the overlap: the
 difference between two systems' replayed collectives is a floor under the difference between
-their steps. ZeRO-3 moves 1.5x DDP's bytes (the notes' 3 x (n-1)/n · 2Ψ against 2 x), and its
-extra all_gathers alone cost it a few per cent of torch DDP's step on `small`: a ratio to torch
-DDP below 1 + (extra collective CPU) / (torch DDP's step CPU) is out of reach on that machine,
-whoever writes the ZeRO-3.
+their steps. ZeRO-3 moves 1.5x DDP's logical bytes (the notes' 3 x (n-1)/n · 2Ψ against 2 x; on
+gloo twice, its reduce_scatter running as an all_reduce), and on `small` with 2 gloo ranks on 2
+cores its collectives alone cost 8-17 % of torch DDP's step CPU (README): a ratio to torch DDP
+below 1 + (extra collective CPU) / (torch DDP's step CPU) is out of reach there for any ZeRO-3
+that issues this schedule - one all_gather per block in forward and in backward, one
+reduce_scatter per block - through gloo.
 
 The schedule comes from what the step really issued (`count_traffic`: zerolab's
 ledger, torch's c10d ops seen by a dispatch counter). A reduce_scatter replays as gloo runs it (an
