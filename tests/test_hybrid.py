@@ -192,6 +192,17 @@ def test_formulas_by_hand():
         tiers.hybrid_traffic_bytes(psi, n, 3, "hsdp")
 
 
+def ring_bytes_by_group(st, n: int) -> dict[str, dict[str, float]]:
+    """{"world" | tier: {op: ring bytes per rank}} of a cost-model replay `st` over n ranks: each
+    leg's S times its ring factor, a leg over all n ranks counted as "world"."""
+    got: dict[str, dict[str, float]] = {}
+    for c in st.collectives:
+        for leg in c.legs:
+            ops = got.setdefault("world" if leg.n == n else leg.tier, {})
+            ops[leg.op] = ops.get(leg.op, 0.0) + theory.RING_FACTOR[leg.op](leg.n) * leg.size_bytes
+    return got
+
+
 def test_cost_model_replays_the_same_bytes_on_the_same_groups():
     """costmodel.step_time(hybrid=...) issues each collective on the group the strategy uses:
     its ring bytes by group equal tiers.hybrid_traffic_bytes (no clipping all_reduce), and the
@@ -203,12 +214,7 @@ def test_cost_model_replays_the_same_bytes_on_the_same_groups():
     for kind in tiers.KINDS:
         st = cm.step_time(3, units, n, topo, prefetch=1, clip=False,
                           hybrid=None if kind == "zero3" else kind)
-        got = {}
-        for c in st.collectives:
-            for leg in c.legs:
-                group = "world" if leg.n == n else leg.tier
-                ops = got.setdefault(group, {})
-                ops[leg.op] = ops.get(leg.op, 0.0) + theory.RING_FACTOR[leg.op](leg.n) * leg.size_bytes
+        got = ring_bytes_by_group(st, n)
         want = tiers.hybrid_traffic_bytes(4e6, n, k, kind)
         assert got.keys() == want.keys(), kind
         for group, ops in want.items():

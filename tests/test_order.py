@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from conftest import run_ranks
 from zerolab.course.testing import BETAS, EPS, LR, WD, max_param_diff
+from zerolab.sharding import decays
 
 VOCAB, DIM, EXPERTS, ROWS, T, STEPS = 32, 16, 3, 2, 8, 2
 
@@ -134,10 +135,7 @@ def fsdp_worker(rank, n, per_expert):
     for m in (list(model.moe.experts) if per_expert else [model.moe]):
         fully_shard(m)
     fully_shard(model)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS)
+    opt = torch_adamw(model)
     t0 = time.perf_counter()
     try:
         for step in range(STEPS):
@@ -160,13 +158,19 @@ def test_fully_shard_of_the_moe_layer_is_exact_and_of_each_expert_is_stopped_in_
         assert "shard their parent only" in e and r["after_s"] < 15, (rank, r)
 
 
+def torch_adamw(model):
+    """torch's AdamW with the strategies' groups: weight decay WD on 2-D weights only
+    (`sharding.decays`), the run's lr, betas and eps."""
+    params = list(model.parameters())
+    return torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": WD},
+                              {"params": [p for p in params if not decays(p)],
+                               "weight_decay": 0.0}], lr=LR, betas=BETAS, eps=EPS)
+
+
 def reference(n) -> dict:
     torch.manual_seed(0)
     model = MoEToy()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS)
+    opt = torch_adamw(model)
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         sum(model(*batch(step, r)) / n for r in range(n)).backward()
@@ -258,10 +262,7 @@ def uneven_reference(n) -> dict:
     averaged over the n ranks (rank 1's last micro-batch of step 0 is skipped)."""
     torch.manual_seed(0)
     model = MoEToy()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS)
+    opt = torch_adamw(model)
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         ran = [(r, m) for r in range(n) for m in range(MICRO)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import make_model, run_ranks
+from test_hybrid import ring_bytes_by_group
 from zerolab import quant, theory, tiers
 
 N, K = 4, 2                                 # 2 nodes of 2
@@ -64,12 +65,7 @@ def test_cost_model_replays_zeropp_on_the_same_groups():
              "grads": theory.quantized_bytes(256, 4, 256) / 256}
     st = cm.step_time(3, units, n, topo, prefetch=1, clip=False, hybrid="hpz",
                       bytes_per_param=width, two_hop_grads=True)
-    got = {}
-    for c in st.collectives:
-        for leg in c.legs:
-            group = "world" if leg.n == n else leg.tier
-            ops = got.setdefault(group, {})
-            ops[leg.op] = ops.get(leg.op, 0.0) + theory.RING_FACTOR[leg.op](leg.n) * leg.size_bytes
+    got = ring_bytes_by_group(st, n)
     want = tiers.zeropp_traffic_bytes([s] * 3, n, k, block=256)
     assert got.keys() == want.keys()
     for group, ops in want.items():

@@ -36,12 +36,8 @@ class MuonReplicate(WholeOptimizer):
 
     # --- reduce: a reduce_scatter into dim-0 shards, averaged ---------------------------------
     def reduce(self, used):
-        d = self.dim0
-        for i in range(len(self.params)):
-            d.pack(i, self.grad_or_zeros(i, used))
-        own = d.grid()[self.rank]
-        self.comm.reduce_scatter(own, d.flat, what="grads", unit="dim0")
-        own.div_(self.n)                                     # sum -> average
+        self.dim0.reduce_scatter(self.comm, (self.grad_or_zeros(i, used)
+                                             for i in range(len(self.params))))
 
     # --- route: an all_gather of every shard: every rank holds every matrix whole -------------
     def route(self, used):

@@ -250,6 +250,15 @@ class Dim0:
     def grid(self, buf=None):
         return (self.flat if buf is None else buf).view(self.n, -1)
 
+    def reduce_scatter(self, comm, grads):
+        """`grads` (one per parameter, in order) packed into `flat`, reduce-scattered over `comm`
+        and averaged: this rank's segment [S] of `flat` holds the mean of its rows (returned)."""
+        for i, g in enumerate(grads):
+            self.pack(i, g)
+        own = self.grid()[self.rank]
+        comm.reduce_scatter(own, self.flat, what="grads", unit="dim0")
+        return own.div_(self.n)                              # sum -> average
+
     def pack(self, i, t, buf=None, off=None):
         """Write t (parameter i's shape) into every rank's segment of `buf` (default flat) at
         column `off` (default parameter i's offset)."""

@@ -98,8 +98,10 @@ def count_traffic(system, x, y) -> tuple[float, int, list | None]:
         size = len(row["group"]) if row["group"] else n
         dtype = getattr(torch, row["dtype"].split(".")[1])
         total += row["numel"] * dtype.itemsize * theory.RING_FACTOR[row["op"]](size)
-        schedule = schedule if schedule is None or size != n else schedule + [
-            (row["op"], row["numel"], dtype)]
+        if size != n:                       # a subgroup's collective: not replayed
+            schedule = None
+        elif schedule is not None:
+            schedule.append((row["op"], row["numel"], dtype))
     return total, len(counter.rows), schedule
 
 

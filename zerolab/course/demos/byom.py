@@ -26,8 +26,6 @@ Every rank writes OUT/rank{r}.json.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 
 from ...sharding import decays
 from ...torchlike import DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard, held_bytes
+from .rankfiles import write_rank_json
 
 PROGRAM = "zerolab.course.demos.byom"
 WRAPPERS = {"ddp": "DistributedDataParallel", "zero1": "DDP + ZeroRedundancyOptimizer",
@@ -286,12 +285,7 @@ def main(argv=None) -> int:
             trained[key] = full
             result["wrappers"][key] = out
             dist.barrier()
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-        dist.barrier()
-        if rank == 0:
-            print(f"wrote {out.resolve()}/rank*.json", flush=True)
+        write_rank_json(args.out, rank, result)
     finally:
         dist.destroy_process_group()
     return 0

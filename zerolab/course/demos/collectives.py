@@ -14,14 +14,13 @@ Each rank writes OUT/rank{r}.json: inputs, outputs, ledger records, timings.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ...comm import Comm
+from .rankfiles import write_rank_json
 
 TIMED_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -93,12 +92,7 @@ def main(argv=None) -> int:
         result = {"rank": comm.rank, "world_size": comm.world_size, "backend": dist.get_backend(),
                   "inputs": inputs, "outputs": outputs, "timing": timing,
                   "records": comm.to_json()}
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{comm.rank}.json").write_text(json.dumps(result, indent=1))
-        dist.barrier()
-        if comm.rank == 0:
-            print(f"wrote {out.resolve()}/rank*.json", flush=True)
+        write_rank_json(args.out, comm.rank, result)
     finally:
         dist.destroy_process_group()
     return 0

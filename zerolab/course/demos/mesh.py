@@ -17,7 +17,6 @@ Each rank writes OUT/mesh/rank{r}.json (layout, units, losses, both ledgers).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ...comm import Comm
 from ...sharding import make_optimizer
 from ...zero2 import ZeRO2
+from .rankfiles import write_rank_json
 
 
 # --- the two TP collectives as autograd functions (Megatron's f and g) -----------------------
@@ -209,12 +209,7 @@ def main(argv=None) -> int:
             "max_weight_diff_vs_reference": max(diffs),
             "ledger": ledger(tp_comm, tp_group) + ledger(dp_comm, dp_group),
         }
-        out = Path(args.out) / "mesh"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1))
-        dist.barrier()
-        if result["rank"] == 0:
-            print(f"wrote {out.resolve()}/rank*.json", flush=True)
+        write_rank_json(Path(args.out) / "mesh", result["rank"], result)
     finally:
         dist.destroy_process_group()
     return 0

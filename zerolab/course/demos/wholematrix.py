@@ -27,15 +27,15 @@ Every rank writes OUT/rank{r}.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .rankfiles import write_rank_json
 
 PROGRAM = "zerolab.course.demos.wholematrix"
 LAYOUTS = ("owner", "a2a", "replicate")
@@ -189,12 +189,7 @@ def main(argv=None) -> int:
             dist.barrier()
         if args.adafactor:
             result["adafactor"] = adafactor_part(rank, n)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-        dist.barrier()
-        if rank == 0:
-            print(f"wrote {out.resolve()}/rank*.json", flush=True)
+        write_rank_json(args.out, rank, result)
     finally:
         dist.destroy_process_group()
     return 0
