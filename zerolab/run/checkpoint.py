@@ -151,7 +151,7 @@ def _rng_state() -> dict:
 def save(strategy, model, root, step: int, meta: dict, *, crash_rank: int | None = None) -> Path:
     """Write the state after `step` optimizer steps to root/step_{step:06d}/ and point
     root/latest at it (`ckptio.write`: atomic, every file hashed; collective, every rank calls
-    it; three all_gathers of a few bytes and their barriers, no state moves).
+    it; three all_gathers of a few bytes, no state moves).
 
     Rank r writes rank{r}.pt: its range [Ψ_u/N] of params (run dtype), master, exp_avg,
     exp_avg_sq (fp32) for every unit, the AdamW step count of each parameter that overlaps its

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .folders import atomic_write, remove_tree
 from .integrity import (SEAL, HashingWriter, IntegrityError, check_file, check_seal, pointer,
@@ -41,7 +42,7 @@ TODO = "resume from an earlier checkpoint (a step_* folder), or rerun"
 def write(root, step: int, make_state, make_meta, *, crash_rank: int | None = None) -> Path:
     """Collective: root/step_{step:06d}/ with this rank's rank{r}.pt = torch.save(make_state())
     and rank 0's meta.json = make_meta(files {name: bytes}, sha256 {name: hex}) + "sealed";
-    then root/latest. Three all_gathers of a few bytes, each followed by a barrier (`_together`). crash_rank (tests only): that rank
+    then root/latest. Three all_gathers of a few bytes (`_together`). crash_rank (tests only): that rank
     truncates its file and kills itself mid-save. Returns the folder."""
     rank, n = dist.get_rank(), dist.get_world_size()
     root, name = Path(root), f"step_{step:06d}"
@@ -98,14 +99,14 @@ def write(root, step: int, make_state, make_meta, *, crash_rank: int | None = No
 
 def _together(item) -> list:
     """Collective: every rank's `item` (picklable), in rank order; a barrier too.
-    all_gather_object's byte tensors are released by gloo's worker thread, which needs the GIL
-    to free them: the barrier that follows lets it do so before anything else is allocated, so
-    a save's measured memory peak (`memory.transient_peak`) does not catch 20 bytes of them on
-    one rank in some runs (4-rank nano, stages 0-3, two saves each: 5 of 48 rank saves
-    measured 121,428 bytes instead of 121,408 before, 0 of 80 after)."""
+    The gather's few pickled bytes are kept out of any memory measurement around a save
+    (`memory.transient_peak`, MemTracker: a dispatch mode, paused here): gloo's worker thread
+    frees them when it next gets the GIL, so they landed in the save's peak on one rank in some
+    runs (4-rank nano, stages 0-3, two saves each: 5 of 48 rank saves measured 121,428 bytes
+    instead of 121,408; a barrier after the gather still let one through under CI load)."""
     items = [None] * dist.get_world_size()
-    dist.all_gather_object(items, item)
-    dist.barrier()
+    with _disable_current_modes():
+        dist.all_gather_object(items, item)
     return items
 
 
