@@ -23,7 +23,9 @@ Checks (each a row of the table; exit 1 when any fails):
               gradient's sign flips under another summation order) and at least
               1 - PARAM_OUTLIERS of the elements within PARAM_ATOL;
   leak        before stages 1-3 no earlier strategy is alive (after gc) and, on CUDA,
-              memory_allocated equals its value before stage 0 (LEAK_SLACK bytes);
+              memory_allocated equals its value before stage 0 (LEAK_SLACK bytes), both read
+              after dropping cuBLAS's workspaces (run.stage.before_stage: 65 MiB on an H200
+              that the library, not a strategy, keeps; the first GPU run failed on them);
               enforced once the strategies have close() (issue 7), reported before that;
   durations   every collective's own duration (comm.TIME_SOURCES) is > 0 and below its step's time;
   prefetch    ZeRO-3 with --zero3-prefetch held one more gathered block than without;
@@ -145,8 +147,11 @@ def check_leak(runs, device):
             for s, ranks in sorted(runs.items()):
                 got = ranks[r0["rank"]]["before_stage"]["cuda"]["allocated"]
                 ok &= abs(got - base) <= LEAK_SLACK
-        detail += "; CUDA allocated before each stage (rank 0): " + ", ".join(
-            f"{s}: {ranks[0]['before_stage']['cuda']['allocated']:,}" for s, ranks in sorted(runs.items()))
+        detail += ("; CUDA allocated before each stage, after dropping cuBLAS's workspaces "
+                   "(rank 0): " + ", ".join(
+                       f"{s}: {ranks[0]['before_stage']['cuda']['allocated']:,} (workspaces "
+                       f"{ranks[0]['before_stage']['cuda'].get('library_workspaces', 0):,})"
+                       for s, ranks in sorted(runs.items())))
     if not enforced:
         return None, detail + " (not enforced: the strategies have no close() yet, issue 7)"
     return ok, detail
@@ -192,8 +197,8 @@ def check_prefetch_accum(fp32_runs):
 # --- the table ---------------------------------------------------------------------------------
 def stage_table(rows, runs_by_name, device):
     cuda = device == "cuda"
-    head = (f"{'stage':<26}{'states (B)':>13}{'formula':>13}{'bytes/step':>12}{'formula':>12}"
-            f"{'peak alloc':>13}" + (f"{'reserved':>13}{'GPU used':>13}" if cuda else "")
+    head = (f"{'stage':<34}{'states (B)':>15}{'formula':>15}{'bytes/step':>14}{'formula':>14}"
+            f"{'peak alloc':>15}" + (f"{'reserved':>15}{'GPU used':>15}" if cuda else "")
             + f"{'coll. ms/step':>14}")
     lines, out = [head], {}
     for row, runs in rows:
@@ -207,8 +212,8 @@ def stage_table(rows, runs_by_name, device):
         used = max((d.get("device_used") or 0) for d in dev)
         traffic, t_formula = sum(row["measured"].values()), sum(row["formula"].values())
         coll = sum(t["seconds_per_step"] for t in row["timing"].values()) * 1e3
-        lines.append(f"{row['name']:<26}{states:>13,}{formula:>13,.0f}{traffic:>12,.0f}{t_formula:>12,.0f}"
-                     f"{peak:>13,}" + (f"{reserved:>13,}{used:>13,}" if cuda else "")
+        lines.append(f"{row['name']:<34}{states:>15,}{formula:>15,.0f}{traffic:>14,.0f}{t_formula:>14,.0f}"
+                     f"{peak:>15,}" + (f"{reserved:>15,}{used:>15,}" if cuda else "")
                      + f"{coll:>14.2f}")
         out[row["name"]] = {"model_states": states, "model_states_formula": formula,
                             "bytes_per_step": traffic, "bytes_per_step_formula": t_formula,

@@ -87,7 +87,11 @@ def run_stage(stage, args, comm, device, train_tokens, val_tokens, ckpt=None) ->
 def before_stage(device) -> dict:
     """What earlier stages left behind, measured just before a stage builds its model: after
     gc.collect() (and empty_cache on CUDA), the strategies still alive (0 when every stage freed
-    its model, strategy and buffers) and, on CUDA, memory.cuda_memory_figures (bytes)."""
+    its model, strategy and buffers) and, on CUDA, memory.cuda_memory_figures (bytes) plus
+    "library_workspaces": the bytes freed by dropping cuBLAS's workspaces first. cuBLAS keeps one
+    per (handle, stream) in torch's caching allocator for the life of the process - on an H200
+    with torch 2.11, 2 x 32 MiB + 1 MiB from the first matmuls on (the forward's thread and
+    autograd's each have a handle) - which no strategy owns; the next matmul allocates them again."""
     gc.collect()
     kinds = tuple(STRATEGIES.values())      # type(o), not isinstance: isinstance also reads
     alive = sum(1 for o in gc.get_objects() if issubclass(type(o), kinds))  # o.__class__, which
@@ -95,8 +99,13 @@ def before_stage(device) -> dict:
     cuda = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)     # torch >= 2.1
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
         cuda = cuda_memory_figures(device)
+        cuda["library_workspaces"] = held - cuda["allocated"]
     return {"strategies_alive": alive, "cuda": cuda}
 
 
