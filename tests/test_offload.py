@@ -250,3 +250,28 @@ def test_the_options_reach_the_strategy_and_the_formulas_scale():
     s = make_strategy(2, make_model("nano").to(torch.bfloat16), comm, offload=offload.Offload())
     with pytest.raises(ValueError, match="serves a strategy already"):
         make_strategy(2, make_model("nano").to(torch.bfloat16), comm, offload=s.offload)
+
+
+def test_offloadcheck_refuses_a_device_it_cannot_use_in_one_line(monkeypatch):
+    """`--device cuda` runs one NCCL rank per GPU: without a GPU, or with more ranks than GPUs,
+    the check stops before launching with one line (it raised a traceback from inside each
+    rank: torch's set_device on a CPU build)."""
+    import subprocess
+    import sys
+    import time
+
+    from zerolab.course import offloadcheck
+    if offloadcheck.cuda_device_count() == 0:
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "zerolab.course.offloadcheck", "--device",
+                               "cuda", "--nproc", "1", "--rounds", "1"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and proc.stdout == "" and time.perf_counter() - t0 < 30
+        assert proc.stderr.strip().splitlines() == [
+            "offloadcheck: --device cuda but torch sees no CUDA device (use --device cpu)"]
+    with pytest.raises(SystemExit, match=r"--nproc 2 > 1 GPU\(s\) here \(use --nproc 1"):
+        offloadcheck.check_device("cuda", 2, gpus=1)
+    with pytest.raises(SystemExit, match="--nproc 0: give 1 or more ranks"):
+        offloadcheck.check_device("cpu", 0)
+    offloadcheck.check_device("cuda", 1, gpus=1)          # what the H200 reference run used
+    offloadcheck.check_device("cpu", 4, gpus=0)

@@ -55,6 +55,7 @@ from ..model import GPT, get_config
 from ..optim import FlatAdamW
 from ..timing import hardware
 from ..compose import make_strategy
+from ..run.launch import cuda_device_count
 from . import nb
 
 MODULE = "zerolab.course.offloadcheck"
@@ -162,6 +163,7 @@ def rank_measure(args) -> dict | None:
     if rank != 0:
         return None
     return {"preset": args.preset, "world_size": n, "device": args.device,
+            "backend": dist.get_backend(),
             "batch_size": args.batch_size, "rounds": args.rounds, "warmup": args.warmup,
             "psi_padded": psi, "units": len(systems[0]["s"].units), "ranks": everyone}
 
@@ -191,8 +193,8 @@ def measure(*, nproc: int = 2, preset: str = "tiny", batch_size: int = 8,
             seed: int = 0, device: str = "cpu", data: str | None = None,
             out: str = "runs/offloadcheck",
             timeout: float = 1200, echo=print) -> dict:
-    """Start `nproc` gloo ranks that interleave the systems (module docstring); return the
-    summary rank 0 wrote to OUT/offloadcheck.json."""
+    """Start `nproc` ranks (gloo; NCCL, one per GPU, with device "cuda") that interleave the
+    systems (module docstring); return the summary rank 0 wrote to OUT/offloadcheck.json."""
     argv = ["--preset", preset, "--batch-size", str(batch_size), "--offload-link",
             ",".join(offload_link), "--rounds", str(rounds), "--warmup", str(warmup),
             "--repeats", str(repeats), "--seed", str(seed), "--device", device, "--out", out]
@@ -249,7 +251,8 @@ def table(summary: dict) -> list[dict]:
 def format_table(summary: dict) -> str:
     """The measured table: bytes per rank, then milliseconds (median [min-max] over rounds)."""
     rows = table(summary)
-    lines = [f"{summary['preset']} GPT, ZeRO-2 on {summary['world_size']} gloo ranks "
+    lines = [f"{summary['preset']} GPT, ZeRO-2 on {summary['world_size']} "
+             f"{summary.get('backend', 'gloo')} rank(s) "
              f"({summary['device']}), bf16, batch {summary['batch_size']}, {summary['rounds']} "
              f"rounds after {summary['warmup']}; Ψ padded {summary['psi_padded']:,}",
              f"{'system':<28}{'device B':>15}{'formula':>15}{'host B':>15}{'formula':>15}"
@@ -303,8 +306,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_device(device: str, nproc: int, gpus: int | None = None) -> None:
+    """SystemExit with one line when `device` cannot run `nproc` ranks here: --device cuda runs
+    one NCCL rank per GPU (NCCL refuses two ranks on one GPU), so it needs 1 <= nproc <= GPUs.
+    `gpus`: the GPUs torch sees (default: `run.launch.cuda_device_count`, no CUDA context)."""
+    if nproc < 1:
+        raise SystemExit(f"offloadcheck: --nproc {nproc}: give 1 or more ranks")
+    if device != "cuda":
+        return
+    gpus = cuda_device_count() if gpus is None else gpus
+    if gpus == 0:
+        raise SystemExit("offloadcheck: --device cuda but torch sees no CUDA device "
+                         "(use --device cpu)")
+    if nproc > gpus:
+        raise SystemExit(f"offloadcheck: --device cuda runs one NCCL rank per GPU: --nproc {nproc} "
+                         f"> {gpus} GPU(s) here (use --nproc {gpus}, or --device cpu)")
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    check_device(args.device, args.nproc)
     for spec in args.offload_link:
         hardware.parse_link(spec, "--offload-link")       # a bad link: one line, before launching
     summary = measure(nproc=args.nproc, preset=args.preset, batch_size=args.batch_size,
