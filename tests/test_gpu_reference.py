@@ -9,12 +9,14 @@ workspaces are dropped, while those workspaces (the library's, the same in every
 were what the first GPU run's leak check had counted.
 """
 import json
+import re
 import statistics
 from pathlib import Path
 
 import pytest
 
 from zerolab import theory
+from zerolab.timing import flops, hardware
 
 RUN = Path(__file__).resolve().parent.parent / "labs" / "gpu_reference" / "h200-2026-12-04"
 RANKS = sorted(RUN.glob("*/stage*/rank*.json"))
@@ -76,3 +78,26 @@ def test_the_bench_ratios_are_the_medians_of_their_rounds():
         base = statistics.median(rows["torch-ddp"]["times_s"])
         for r in rows.values():
             assert r["vs_torch_ddp"] == pytest.approx(statistics.median(r["times_s"]) / base), path
+
+
+def test_the_mfu_notebook_12_quotes_follows_from_the_committed_run():
+    """Notebook 12 §3 quotes gpt2's MFU on the H200 as 0.19-0.26: forward + backward FLOPs
+    (6Ψ + 12·L·d·T a token, `flops.flops_per_token`) over the measured median fwd_bwd seconds of
+    the plain ZeRO-2 step, over the H200's datasheet peak."""
+    mfus = []
+    for path in sorted(RUN.glob("offloadcheck*.json")):
+        d = _load(path)
+        assert d["device"] == "cuda" and d["preset"] == "gpt2" and d["world_size"] == 1
+        plain = d["ranks"][0][0]
+        assert plain["link"] is None                    # the row without offload
+        seconds = statistics.median(x["fwd_bwd_s"] for x in plain["rounds"])
+        tokens = d["batch_size"] * 1024
+        step = flops.flops_per_token(d["psi_padded"], n_layer=12, d_model=768, seq_len=1024) * tokens
+        mfus.append(step / seconds / hardware.get_device("h200").flops)
+    assert len(mfus) == 2
+    prose = json.loads((RUN.parents[2] / "notebooks" / "12_time.ipynb").read_text())
+    quoted = re.search(r"an MFU of \*\*(0\.\d+)-(0\.\d+)\*\*",
+                       " ".join("".join(c["source"]) for c in prose["cells"]).replace("\n", " "))
+    assert quoted, "notebook 12 no longer quotes the H200's MFU"
+    assert [float(quoted[1]), float(quoted[2])] == [round(min(mfus), 2), round(max(mfus), 2)]
+    assert max(mfus) < flops.MFU                        # the prose: below the cost model's default
