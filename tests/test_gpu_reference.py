@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from zerolab import theory
+from zerolab.model import get_config
 from zerolab.timing import flops, hardware
 
 RUN = Path(__file__).resolve().parent.parent / "labs" / "gpu_reference" / "h200-2026-12-04"
@@ -47,7 +48,8 @@ def test_measured_bytes_equal_the_formulas(path):
                                    zero1_grad_op=r["zero1_grad_op"] or "all_reduce",
                                    grad_accum=r["grad_accum"], grad_dtype=r["grad_dtype"])
     measured = r["comm"]["bytes_per_step"]
-    assert {k: measured[k] for k in traffic} == {k: pytest.approx(v, abs=0) for k, v in traffic.items()}
+    assert {k: measured[k] for k in traffic} == {k: pytest.approx(v, abs=0)
+                                                  for k, v in traffic.items()}
 
 
 def test_gpu_losses_match_the_cpu_fp32_reference():
@@ -91,8 +93,10 @@ def test_the_mfu_notebook_12_quotes_follows_from_the_committed_run():
         plain = d["ranks"][0][0]
         assert plain["link"] is None                    # the row without offload
         seconds = statistics.median(x["fwd_bwd_s"] for x in plain["rounds"])
-        tokens = d["batch_size"] * 1024
-        step = flops.flops_per_token(d["psi_padded"], n_layer=12, d_model=768, seq_len=1024) * tokens
+        c = get_config(d["preset"])
+        per_token = flops.flops_per_token(d["psi_padded"], n_layer=c.n_layer, d_model=c.n_embd,
+                                          seq_len=c.block_size)
+        step = per_token * d["batch_size"] * c.block_size
         mfus.append(step / seconds / hardware.get_device("h200").flops)
     assert len(mfus) == 2
     prose = json.loads((RUN.parents[2] / "notebooks" / "12_time.ipynb").read_text())

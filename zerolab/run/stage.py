@@ -91,7 +91,8 @@ def before_stage(device) -> dict:
     "library_workspaces": the bytes freed by dropping cuBLAS's workspaces first. cuBLAS keeps one
     per (handle, stream) in torch's caching allocator for the life of the process - on an H200
     with torch 2.11, 2 x 32 MiB + 1 MiB from the first matmuls on (two handles: most likely
-    the forward's thread and autograd's) - which no strategy owns; the next matmul allocates them again."""
+    the forward's thread and autograd's) - which no strategy owns; the next matmul allocates them
+    again."""
     gc.collect()
     kinds = tuple(STRATEGIES.values())      # type(o), not isinstance: isinstance also reads
     alive = sum(1 for o in gc.get_objects() if issubclass(type(o), kinds))  # o.__class__, which
