@@ -211,6 +211,23 @@ def test_lab9_sweep_figure_one_colour_per_collective_and_legends_below():
     plt.close(fig)
 
 
+def test_08b_scale_figure_one_colour_per_collective_and_legends_below():
+    """Notebook 08b's 7.5B figure (one panel per quantity): the bytes bars in the collectives'
+    course colours, every text >= 8 pt, the legends under their axes."""
+    from zerolab.course import wholematrix as wm
+    fig = wm.scale_figure(wm.scale_costs())
+    fig.canvas.draw()
+    _check_fonts(fig, "whole_matrix_7_5b")
+    colours = {to_rgba(c)[:3]: op for op, c in plots.COLLECTIVE_COLORS.items()}
+    seen = {colours[p.get_facecolor()[:3]] for p in fig.axes[0].patches
+            if p.get_facecolor()[:3] in colours}
+    assert seen == {"reduce_scatter", "all_to_all", "all_gather"}, seen
+    assert len(fig.axes) == 3 and fig.axes[1].get_legend() is None    # FLOPs: one grey, no key
+    for ax in (fig.axes[0], fig.axes[2]):
+        _legend_under(fig, ax, "whole_matrix_7_5b")
+    plt.close(fig)
+
+
 def test_comm_bound_says_its_mfu_and_keeps_the_legend_off_the_data():
     from zerolab.timing import costmodel
     from zerolab.timing.hardware import DEVICES, LINKS

@@ -300,6 +300,27 @@ def test_the_7_5b_table_by_hand():
     assert rows["replicate"]["bytes"] == pytest.approx(2 * 63 / 64 * psi * 4, rel=1e-3)
 
 
+def test_08bs_7_5b_figure_draws_the_table_by_hand():
+    """Notebook 08b's figure (wholematrix.scale_costs): replicate's Newton-Schulz and bytes by
+    hand as above; a2a adds an all_to_all to replicate's reduce_scatter + all_gather; every
+    layout's totals are the `zerolab time --muon` rows."""
+    from zerolab.course.muontable import BIG, formula_rows
+    from zerolab.course.wholematrix import scale_costs
+    from zerolab.timing import hardware
+    rows = {r["layout"]: r for r in scale_costs(BIG, 64)}
+    table = {r["layout"]: r for r in formula_rows(BIG, 64, hardware.get_link("ib-ndr"),
+                                                  hardware.get_device("h100"))}
+    assert rows["replicate"]["ns_flops"] == 36 * 280 * 4096 ** 3
+    psi = 36 * (12 * 4096 ** 2 + 13 * 4096) + (50304 + 2048 + 2) * 4096
+    assert sum(rows["replicate"]["bytes"].values()) == pytest.approx(2 * 63 / 64 * psi * 4, rel=1e-3)
+    assert set(rows["a2a"]["bytes"]) == {"reduce_scatter", "all_to_all", "all_gather"}
+    assert set(rows["owner"]["bytes"]) == set(rows["replicate"]["bytes"]) == {"reduce_scatter", "all_gather"}
+    for layout, r in rows.items():
+        assert sum(r["bytes"].values()) == table[layout]["bytes"]
+        assert r["ns_flops"] == table[layout]["ns_flops"]
+        assert r["state_bytes"] + r["buffer_bytes"] == table[layout]["held_bytes"]
+
+
 def test_make_muon_refuses_an_unknown_layout():
     from zerolab.compose import make_muon
     with pytest.raises(ValueError, match="owner, a2a, replicate"):

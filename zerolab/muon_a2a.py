@@ -1,6 +1,6 @@
 """Distributed Muon, gather-to-owner on a sharded layout: all_to_all the shards to one owner.
 
-Idea (torchtitan's DistributedMuon, DeepSpeed's Muon with ZeRO, Megatron-LM#5533): the
+Idea (torchtitan's DistributedMuon, pytorch/torchtitan#4060): the
 gradients are reduce_scattered into dim-0 shards as ZeRO-2 does (`wholeopt.Dim0`); the
 element-wise fallback (AdamW) steps its shards right there, as ZeRO does; each matrix has an
 owner (greedy by size over the matrices only, `muon_theory.assign_owners`), and one all_to_all

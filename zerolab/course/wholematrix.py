@@ -236,3 +236,68 @@ def figure(sweep: dict):
               fontsize=FONT, ncol=1, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     fig.tight_layout()
     return fig
+
+
+def scale_costs(cfg=None, n: int = 64, elem_bytes: int = 4) -> list[dict]:
+    """The three layouts' formulas for a GPT of `cfg` (default: muontable.BIG, 7.5B) on `n`
+    ranks (zerolab.muon_theory.layout_costs, what `zerolab time --muon` prints), per layout:
+    {"layout", "bytes" {collective: bytes a step, the busiest rank's}, "ns_flops" (the busiest
+    rank's Newton-Schulz FLOPs a step), "state_bytes", "buffer_bytes" (of the rank holding the
+    most; fp32 for elem_bytes = 4)}. No model is built (meta shapes)."""
+    from .muontable import BIG, gpt_shapes
+    shapes, whole, groups = gpt_shapes(BIG if cfg is None else cfg)
+    out = []
+    for layout in mt.LAYOUTS:
+        per = mt.layout_costs(layout, shapes, whole, n, elem_bytes, groups=groups)
+        busy = max(per, key=lambda p: sum(p["bytes"].values()))
+        held = max(per, key=lambda p: p["state_bytes"] + p["buffer_bytes"])
+        out.append({"layout": layout, "n": n,
+                    "bytes": {op: b for op, b in busy["bytes"].items() if b},
+                    "ns_flops": max(p["ns_flops"] for p in per),
+                    "state_bytes": held["state_bytes"], "buffer_bytes": held["buffer_bytes"]})
+    return out
+
+
+def scale_figure(rows, title: str = "7.5B GPT (36 x 4096), N = 64 ranks, fp32 (formulas)"):
+    """Three panels, one per quantity, a bar per layout (`scale_costs` rows): bytes sent per
+    rank a step (stacked by collective, the course's colours), the busiest rank's Newton-Schulz
+    FLOPs a step, and the bytes a rank holds (optimizer state + the layout's buffers). Values
+    are written on the bars; legends sit under the axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(12, 4.2))
+    xs = range(len(rows))
+    names = [r["layout"] for r in rows]
+    drawn = []
+    for x, r in zip(xs, rows):
+        bottom = 0.0
+        for op in ORDER:
+            b = r["bytes"].get(op, 0) / 1e9
+            if b:
+                a1.bar(x, b, 0.6, bottom=bottom, color=COLLECTIVE_COLORS[op])
+                drawn += [op] if op not in drawn else []
+                bottom += b
+        a1.text(x, bottom, f"{bottom:.3g} GB", ha="center", va="bottom", fontsize=FONT)
+        tf = r["ns_flops"] / 1e12
+        a2.bar(x, tf, 0.6, color="0.45")
+        a2.text(x, tf, f"{tf:.3g}", ha="center", va="bottom", fontsize=FONT)
+        s, b = r["state_bytes"] / 1e9, r["buffer_bytes"] / 1e9
+        a3.bar(x, s, 0.6, color="0.35")
+        a3.bar(x, b, 0.6, bottom=s, color="0.8")
+        a3.text(x, s + b, f"{s + b:.3g} GB", ha="center", va="bottom", fontsize=FONT)
+    for ax, sub, unit in ((a1, "bytes sent per rank per step", "GB (1e9 bytes)"),
+                          (a2, "Newton-Schulz per step (busiest rank)", "TFLOP"),
+                          (a3, "held per rank: optimizer state + buffers", "GB (1e9 bytes)")):
+        ax.set_xticks(list(xs), names, fontsize=FONT + 1)
+        ax.tick_params(axis="y", labelsize=FONT)
+        ax.set_title(sub, fontsize=FONT + 1)
+        ax.set_ylabel(unit, fontsize=FONT)
+        ax.margins(y=0.15)
+    a1.legend(handles=[Patch(color=COLLECTIVE_COLORS[op], label=op) for op in ORDER if op in drawn],
+              fontsize=FONT, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
+    a3.legend(handles=[Patch(color="0.35", label="optimizer state"),
+                       Patch(color="0.8", label="buffers")],
+              fontsize=FONT, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
+    fig.suptitle(title, fontsize=FONT + 2)
+    fig.tight_layout()
+    return fig
