@@ -23,6 +23,8 @@ from zerolab.course.exercises import EXERCISES  # noqa: E402
 from zerolab.course.exercises.answers import QUESTIONS  # noqa: E402
 
 OUT = ROOT / "notebooks" / "exercises"
+# every exercise notebook links the course's one table of symbols
+SYMBOLS = "The symbols (Ψ, N, n, S, α, β, ...) are defined in the [symbols](../glossary.md#symbols) table."
 
 # per exercise: (file stem, stage notebook that explains it, minutes for a first-time learner,
 # the package code that calls the learner's function, what to read first, what "pass" proves)
@@ -54,10 +56,10 @@ PLAN = {
               "gradient lives in a bucket just long enough: reduce_scatter it as soon as it is "
               "ready, keep your chunk, free the bucket.",
               "the parameters equal the reference with 2 micro-steps per step (your shard "
-              "accumulates), no full-gradient bucket survives a backward, and the bytes held "
+              "accumulates), and no full-gradient bucket survives a backward. The bytes held "
               "and sent equal the formulas for the precision the checker runs, fp32: 4Ψ + "
-              "16Ψ/N held and 2(n-1)/n·4Ψ sent (in the notes' bf16 the same formulas read "
-              "2Ψ + 14Ψ/N and 2(n-1)/n·2Ψ)."),
+              "16Ψ/N held and 2(n-1)/n·4Ψ sent. (In the notes' bf16 the same formulas read "
+              "2Ψ + 14Ψ/N and 2(n-1)/n·2Ψ.)"),
     "zero3": ("e_zero3", "07_zero3", 15, ["zerolab.zero3.ZeRO3._gather",
                                           "zerolab.zero3.ZeRO3._start_gather",
                                           "zerolab.zero3.ZeRO3._free"],
@@ -82,11 +84,12 @@ MORE = {
                "replicate across nodes. Both are the same grid of ranks, read along its two "
                "axes; `torch.distributed.device_mesh.init_device_mesh` builds it.",
                "the check calls your two functions for every world size up to 16 and every group "
-               "size that divides it (no ranks needed): every rank in exactly one group of each "
-               "kind, the sizes, TP and shard groups on one node, each DP / replicate group "
-               "taking the same slot of every TP / shard group; then zerolab's own layout "
-               "(`theory.mesh_groups`, torch's `init_device_mesh`); then a ValueError for a size "
-               "that does not divide the world.",
+               "size that divides it (no ranks needed). It checks that every rank is in exactly "
+               "one group of each kind, the sizes, that TP and shard groups are on one node, and "
+               "that each DP / replicate group takes the same slot of every TP / shard group. "
+               "Then it compares with zerolab's own layout (`theory.mesh_groups`, torch's "
+               "`init_device_mesh`). Last, it asks for a ValueError for a size that does not "
+               "divide the world.",
                ["zerolab.theory.mesh_groups"]),
     "buckets_prefetch": ("g_buckets_prefetch", "`notebooks/04_ddp.ipynb` (buckets) and "
                          "`notebooks/07_zero3.ipynb` (prefetch)", 15,
@@ -94,19 +97,19 @@ MORE = {
                           "zerolab.zero3.ZeRO3._ahead"],
                          "Two knobs you will meet in every real run: torch DDP's bucket_cap_mb "
                          "(how many gradients share one all_reduce) and FSDP's / ZeRO-3's "
-                         "prefetch (how many blocks are gathered ahead). In zerolab: a strategy's "
-                         "bucket_mb, and ZeRO-3's prefetch depth - one block in zero3.py, which "
-                         "_ahead reads; other depths are set by a variant beside the stage, "
-                         "zerolab/prefetch.py. zerolab's DDP fills its buckets in forward order (block 0 "
-                         "first); torch's DDP fills them in reverse registration order, its first "
-                         "bucket capped at 1 MiB. Predict what each does, then let the check "
-                         "measure it.",
+                         "prefetch (how many blocks are gathered ahead). In zerolab they are a "
+                         "strategy's bucket_mb, and ZeRO-3's prefetch depth. The depth is one "
+                         "block in zero3.py, which _ahead reads. A variant beside the stage, "
+                         "zerolab/prefetch.py, sets other depths. In zerolab, DDP fills its "
+                         "buckets in forward order (block 0 first). In torch, DDP fills them in "
+                         "reverse registration order, its first bucket capped at 1 MiB. Predict what each "
+                         "does, then let the check measure it.",
                          "the check compares `ddp_buckets` with zerolab's grouping on a few "
-                         "hundred (sizes, cap, dtype) cases, then starts 3 gloo ranks that build "
-                         "zerolab's DDP with four caps and ZeRO-3 with five prefetch depths on "
-                         "GPT nano with 6 blocks, and compares your buckets with the buckets and "
-                         "all_reduces those runs formed, your peak with the gathered-weights peak "
-                         "the memory meter measured.",
+                         "hundred (sizes, cap, dtype) cases. Then it starts 3 gloo ranks that "
+                         "build zerolab's DDP with four caps and ZeRO-3 with five prefetch depths, "
+                         "on GPT nano with 6 blocks. It compares your buckets with the buckets and "
+                         "all_reduces those runs formed, and your peak with the gathered-weights "
+                         "peak the memory meter measured.",
                          ["zerolab.course.exercises.more.ddp_buckets",
                           "zerolab.theory.bucket_groups",
                           "zerolab.course.exercises.more.zero3_gathered_peak"]),
@@ -114,13 +117,13 @@ MORE = {
                "`notebooks/12_time.ipynb`", 10, ["zerolab.timing.linkemu.LinkEmulator"],
                "How long does a collective take? The α-β model: a latency α for each ring step "
                "plus the bytes each rank sends over the bandwidth β. zerolab's link emulator "
-               "(shown below) makes gloo collectives last exactly as long as the model says, so "
-               "your prediction can be measured on a laptop: that checks your arithmetic against "
+               "(shown below) makes gloo collectives last exactly as long as the model says. So "
+               "your prediction can be measured on a laptop. That checks your arithmetic against "
                "zerolab's model and schedule, not the model against a real network (notebook 13 "
                "does that with published NCCL figures).",
                "the check compares `ring_time` with zerolab's cost model on a few hundred (op, "
-               "size, n, link) cases, then times each collective on 3 gloo ranks over an "
-               "emulated 0.1 Gb/s link with α = 2 ms, and asks the measured time to be within "
+               "size, n, link) cases. Then it times each collective on 3 gloo ranks over an "
+               "emulated 0.1 Gb/s link with α = 2 ms. The measured time must be within "
                "25 % + 10 ms of your prediction.",
                ["zerolab.timing.costmodel.collective_time"]),
     "strategy_ddp": ("i_strategy_ddp", "`notebooks/04_ddp.ipynb` and exercise (b)", 45,
@@ -129,12 +132,13 @@ MORE = {
                      "your own. DDP with gradient buckets whose all_reduce starts from a hook "
                      "while backward still runs on the earlier layers; the check's loop (shown "
                      "below) drives it with torch alone.",
-                     "the check runs your class on 3 gloo ranks: the parameters after each of 3 "
-                     "steps against single-process torch AdamW (and the gradient norm), the "
-                     "bytes of the ledger against 2(n-1)/n × 4Ψ, buckets of at most the cap, "
-                     "every all_reduce issued during loss.backward(); then, over an emulated "
-                     "link with a model whose blocks sleep in backward, how much communication "
-                     "your overlap leaves exposed.",
+                     "the check runs your class on 3 gloo ranks. It compares the parameters "
+                     "after each of 3 steps with single-process torch AdamW (and the gradient "
+                     "norm), and the bytes of the ledger with 2(n-1)/n × 4Ψ. It asks for "
+                     "buckets of at most the cap, and every all_reduce issued during "
+                     "loss.backward(). Then, over an emulated link with a model whose blocks "
+                     "sleep in backward, it measures how much communication your overlap "
+                     "leaves exposed.",
                      ["zerolab.ddp.DDP._grads_ready", "zerolab.hooks.GradReady"]),
     "strategy_zero1": ("j_strategy_zero1", "`notebooks/05_zero1.ipynb` and exercise (c)", 45,
                        ["zerolab.course.exercises.track._correctness"],
@@ -142,31 +146,31 @@ MORE = {
                        "keeps the optimizer state of its own 1/N of every parameter group, "
                        "updates that range, and an all_gather brings every rank's update to "
                        "everyone. The check's loop (shown below) drives it with torch alone.",
-                       "the check runs your class on 3 gloo ranks: the parameters after each "
-                       "of 3 steps against single-process torch AdamW, the all_gather bytes "
-                       "against (n-1)/n × 4Ψ, the bytes your object keeps between steps against "
-                       "12Ψ/N, and the step's time over an emulated link where every collective "
-                       "pays (n-1) × 5 ms of latency.",
+                       "the check runs your class on 3 gloo ranks. It compares the parameters "
+                       "after each of 3 steps with single-process torch AdamW, the all_gather "
+                       "bytes with (n-1)/n × 4Ψ, and the bytes your object keeps between steps "
+                       "with 12Ψ/N. It also times the step over an emulated link where every "
+                       "collective pays (n-1) × 5 ms of latency.",
                        ["zerolab.zero1.ZeRO1.update", "zerolab.zero1.ZeRO1.publish",
                         "zerolab.zero1.publish_update"]),
     "owner_assignment": ("k_owner_assignment", "`notebooks/08b_whole_matrix.ipynb` (sections 1 "
                          "and 3)", 15, ["zerolab.muon_owner.MuonOwner.hold"],
                          "Muon orthogonalises each weight matrix whole, so a sharded Muon cannot "
                          "step ZeRO's flat 1/N ranges. The owner layout gives every parameter to "
-                         "one rank, which keeps its state and steps it whole; which rank is the "
+                         "one rank, which keeps its state and steps it whole. Which rank is the "
                          "rule torch's ZeroRedundancyOptimizer uses for any optimizer: largest "
                          "first, each to the rank that owns the fewest elements so far, the "
-                         "lowest rank on a tie. `MuonOwner.hold` (shown below) calls it, then "
-                         "lays out one flat buffer of N segments of the largest owner's load L: "
-                         "the owners you choose set the bytes every rank sends.",
-                         "the check calls your `assign_owners` on 311 cases, no ranks needed: "
-                         "hand-made ones that tell the usual mistakes apart (a big parameter "
+                         "lowest rank on a tie. `MuonOwner.hold` (shown below) calls it. Then it "
+                         "lays out one flat buffer of N segments of the largest owner's load (its "
+                         "elements): the owners you choose set the bytes every rank sends.",
+                         "the check calls your `assign_owners` on 311 cases, no ranks needed. "
+                         "Some are hand-made to tell the usual mistakes apart: a big parameter "
                          "last, many rows but few elements, equal sizes, more ranks than "
-                         "parameters, a 0-d parameter), 300 random ones, the course's GPT on 2-4 "
-                         "ranks and the 7.5B GPT on 64, against zerolab's answer (which the "
-                         "tests hold to torch's ZeroRedundancyOptimizer); a wrong answer names "
-                         "the first case, the owners and loads, and the rule you wrote when it "
-                         "recognises it.",
+                         "parameters, a 0-d parameter. Then come 300 random ones, the course's "
+                         "GPT on 2-4 ranks and the 7.5B GPT on 64. Each is compared with "
+                         "zerolab's answer (which the tests hold to torch's "
+                         "ZeroRedundancyOptimizer). A wrong answer names the first case, the "
+                         "owners and loads, and the rule you wrote when it recognises it.",
                          ["zerolab.muon_theory.assign_owners"]),
 }
 
@@ -183,6 +187,14 @@ def _module_of(dotted: str) -> str:
     raise ValueError(dotted)
 
 
+def _learn(functions) -> str:
+    """'by writing `f` yourself; the check compares it with zerolab's own code' (or `f` and `g`)."""
+    names = [f"`{f}`" for f in functions]
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return (f"by writing {listed} yourself; the check compares "
+            f"{'it' if len(names) == 1 else 'them'} with zerolab's own code")
+
+
 def more_notebook(name: str) -> nbformat.NotebookNode:
     ex = EXERCISES[name]
     stem, read, minutes, callers, idea, how, solution = MORE[name]
@@ -194,8 +206,11 @@ def more_notebook(name: str) -> nbformat.NotebookNode:
     cells = [
         new_markdown_cell(
             f"# {'Track' if track else 'Exercise'} ({ex.letter}): {ex.title}\n\n"
-            f"**You write** {fns} (about {minutes} minutes{', optional' if track else ''}). "
-            f"**Read first**: {read}.\n\n{idea}\n\n**How it is checked**: {how} From a "
+            f"**You will learn** " + (f"by writing a whole {fns} of your own, an optional track; the "
+                                      f"check runs it against plain torch" if track
+                                      else _learn(ex.functions)) + ".\n\n"
+            f"**You need** {read}; a laptop CPU.\n\n"
+            f"**Time** ~{minutes} min.\n\n{SYMBOLS}\n\n{idea}\n\n**How it is checked**: {how} From a "
             f"terminal: `zerolab check {name} --impl notebooks/exercises/my_{name}.py`."),
         new_markdown_cell(
             "## The check's loop\n\nThe code that drives your class in the check (plain torch "
@@ -231,12 +246,13 @@ def exercise_notebook(name: str) -> nbformat.NotebookNode:
     cells = [
         new_markdown_cell(
             f"# Exercise ({ex.letter}): {ex.title}\n\n"
-            f"**You write** {fns} (about {minutes} minutes). **Read first**: "
-            f"`notebooks/{stage_nb}.ipynb`.\n\n{idea}\n\n"
-            f"**How it is checked**: the check cell starts 3 gloo ranks, puts your function in "
-            f"place of zerolab's own inside the real strategy, trains a small GPT for 3 steps "
-            f"and compares with single-process torch AdamW and with the formulas of "
-            f"`zerolab.theory`, the same checks zerolab's own tests use. From a terminal: "
+            f"**You will learn** {_learn(ex.functions)}.\n\n"
+            f"**You need** notebook {stage_nb[:2]} (`notebooks/{stage_nb}.ipynb`) and a laptop "
+            f"CPU.\n\n**Time** ~{minutes} min.\n\n{SYMBOLS}\n\n{idea}\n\n"
+            f"**How it is checked**: the check cell starts 3 gloo ranks. It puts your function "
+            f"in place of zerolab's own inside the real strategy and trains a small GPT for 3 "
+            f"steps. It compares with single-process torch AdamW and with the formulas of "
+            f"`zerolab.theory`: the same checks zerolab's own tests use. From a terminal: "
             f"`zerolab check {name} --impl notebooks/exercises/my_{name}.py`."),
         new_markdown_cell("## Where your function is called\n\nzerolab's own code, as it runs "
                           "in the check (your function replaces the one it calls):"),
@@ -266,7 +282,11 @@ def exercise_notebook(name: str) -> nbformat.NotebookNode:
 def predict_notebook() -> nbformat.NotebookNode:
     cells = [
         new_markdown_cell(
-            "# Predict, then measure\n\nEach question asks for a number. Write your prediction "
+            "# Predict, then measure\n\n**You will learn** to predict the bytes and ranks of "
+            "notebooks 02, 03 and 07 before a run shows them.\n\n**You need** notebooks 02, 03 "
+            "and 07, and a laptop CPU.\n\n**Time** ~20 min; the measurement takes about 10 s.\n\n"
+            + SYMBOLS + "\n\n"
+            "Each question asks for a number. Write your prediction "
             "in place of `None` and run the cell: `answer` says whether it is right (with a hint "
             "if not; `reveal(id)` gives the answer and how it is computed). The last questions "
             "are then measured on 2 gloo ranks, so you see your number appear in a real run.\n\n"
