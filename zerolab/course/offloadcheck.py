@@ -1,6 +1,6 @@
 """ZeRO-Offload, measured: bytes on the device and on the host, the step split, the same losses.
 
-Idea (issue #21, item 5; zerolab/offload.py): one torchrun group builds ZeRO-2 and ZeRO-2 with
+Idea (zerolab/offload.py): one torchrun group builds ZeRO-2 and ZeRO-2 with
 its optimizer offloaded (once per host link given) from the same seed and runs them round by
 round on the same batches, one bf16 step of each per round in an order rotated every round, a
 barrier before each step (as `zerolab bench`). Measured per rank:
