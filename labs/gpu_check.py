@@ -26,7 +26,7 @@ Checks (each a row of the table; exit 1 when any fails):
               memory_allocated equals its value before stage 0 (LEAK_SLACK bytes), both read
               after dropping cuBLAS's workspaces (run.stage.before_stage: 65 MiB on an H200
               that the library, not a strategy, keeps; the first GPU run failed on them);
-              enforced once the strategies have close() (issue 7), reported before that;
+              enforced when every strategy has close(), reported otherwise;
   durations   every collective's own duration (comm.TIME_SOURCES) is > 0 and below its step's time;
   prefetch    ZeRO-3 with --zero3-prefetch held one more gathered block than without;
   accumulation  every rank ran 2 micro-steps per step (and the traffic formula with A = 2 held).
@@ -153,7 +153,7 @@ def check_leak(runs, device):
                        f"{ranks[0]['before_stage']['cuda'].get('library_workspaces', 0):,})"
                        for s, ranks in sorted(runs.items())))
     if not enforced:
-        return None, detail + " (not enforced: the strategies have no close() yet, issue 7)"
+        return None, detail + " (not enforced: a strategy has no close())"
     return ok, detail
 
 

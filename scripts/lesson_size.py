@@ -4,7 +4,7 @@ The course promises that a learner reads a stage on about two screens and that `
 zero3.py` is the lesson "parameters too". This prints, for the four stages and the frame they
 share (zerolab/strategy.py): the file's lines, its functions' lines (max and median; a method is
 its `def` through its last line), and for consecutive stages the lines `diff` removes, adds and
-keeps. Issue #30 quotes its before/after figures.
+keeps.
 
     python scripts/lesson_size.py            # from the repository's root
 """

@@ -1,4 +1,4 @@
-"""Sphinx configuration of the course's web site (README.md, "The course as a web site").
+"""Sphinx configuration of the course's web site (docs/tests.md, "The course as a web site").
 
 Build from the repository's root (the source is the repository itself, so the notebooks'
 `../images/*.png` and their links to each other resolve as they do in JupyterLab):

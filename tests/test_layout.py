@@ -3,7 +3,7 @@ import circles.
 
 The rules are import-linter contracts in pyproject.toml (`lint-imports` checks them): these tests
 run it on the package as it is, show that each contract fails when an import breaks it (so a kept
-contract means something), and hold the README's tree and the files' length to the disk.
+contract means something), and hold docs/package.md's tree and the files' length to the disk.
 """
 from __future__ import annotations
 
@@ -76,8 +76,9 @@ def test_each_contract_fails_when_an_import_breaks_it(copy, file, line, broken, 
 
 
 def readme_tree() -> set[str]:
-    """The folders README's "The package" tree names, as paths from the checkout's root."""
-    text = (ROOT / "README.md").read_text()
+    """The folders docs/package.md's tree ("The package's layout") names, as paths from the
+    checkout's root."""
+    text = (ROOT / "docs" / "package.md").read_text()
     section = text[text.index("## The package"):]
     block = section[section.index("```\n") + 4:]
     block = block[:block.index("```")]

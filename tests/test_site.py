@@ -1,4 +1,4 @@
-"""The course as a web site (README.md, "The course as a web site"), built and walked in a browser.
+"""The course as a web site (docs/tests.md, "The course as a web site"), built and walked in a browser.
 
 Builds the site with the command README.md documents (parsed from README.md, so the documented
 command is what is tested; only its output folders are moved to the test's temp dir), with no
@@ -137,11 +137,13 @@ def _pages(site: Path) -> set[str]:
 
 # --- without a browser --------------------------------------------------------------------------
 def test_readme_documents_the_site_and_its_recipe():
-    """README's command builds into build/site; the Pages workflow builds with it, installs the
-    dev extra's site tools and deploys build/site; the workshop guide shows the site."""
+    """README's command builds into build/site; docs/tests.md documents the site and its recipe;
+    the Pages workflow builds with it, installs the dev extra's site tools and deploys build/site;
+    the workshop guide shows the site."""
     words = readme_site_command()
     assert words[0] == "sphinx-build" and "-W" in words and words[-2:] == [".", "build/site"], words
-    text = README.read_text(encoding="utf-8")
+    assert "docs/tests.md#the-course-as-a-web-site" in README.read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "tests.md").read_text(encoding="utf-8")
     assert "The course as a web site" in text and ".github/workflows/site.yml" in text
     flow = WORKFLOW.read_text(encoding="utf-8")
     assert " ".join(words) in " ".join(flow.split()), "site.yml does not build with README's command"

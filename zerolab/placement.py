@@ -25,7 +25,7 @@ import torch
 from .guards import is_placeholder
 
 GATHER_MODES = ("after_step", "before_forward")
-# The default, chosen from measurements (issue #21 item 4; `python -m zerolab.course.gather_placement
+# The default, chosen from measurements (`python -m zerolab.course.gather_placement
 # [--compute sleep]`: tiny, 2 gloo ranks, bf16, emulated link + 100 us, DDP / ZeRO-1 / ZeRO-2 in
 # both modes interleaved round by round, before_forward / after_step paired per round, median).
 # Compute slept (tiny's units and measured compute, so the 2-core machine's load cannot stretch

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-# Blocks gathered ahead by default: zero3.py's one. Chosen from measurements (issue #8;
-# tests/test_knobs.py, tests/test_linkemu.py, `zerolab bench`): on an emulated slow link (2 ranks,
+# Blocks gathered ahead by default: zero3.py's one. Chosen from measurements
+# (tests/test_knobs.py, tests/test_linkemu.py, `zerolab bench`): on an emulated slow link (2 ranks,
 # sleeping blocks) depth 0 / 1 / 2 / all took 275 / 183 / 187 / 179 ms a step for a gathered peak
 # of root + 1 / 2 / 3 / all blocks; on 2 idle gloo CPU ranks (`small`) depth 1 took 176 ms
 # against 192 ms. Depth 1 is the knee: almost all of the time for one block more. FSDP2 and

@@ -4,7 +4,7 @@ Idea: with AdamW and bf16 mixed precision every parameter costs 2 + 2 + 4 + 4 + 
 (bf16 weight, bf16 gradient, fp32 master weight, fp32 exp_avg m_t, fp32 exp_avg_sq v_t). ZeRO
 stage s shards some of these five states over the N data-parallel ranks; `SHARDED_FROM_STAGE`
 below is the single table that says which, and everything else in zerolab (strategies, labs,
-README) reads it.
+docs) reads it.
 
     python -m zerolab memory --params 7.5e9 --world-size 64
 

@@ -379,7 +379,7 @@ def format_table(summary: dict) -> str:
         "collectives per step. MB = 1e6 bytes.", 100)
     if summary["preset"] != "small":
         lines += textwrap.wrap(
-            f"The README's ratios are for --preset small. On {summary['preset']} each step has "
+            f"The ratios in docs/measured.md are for --preset small. On {summary['preset']} each step has "
             "less compute, so costs paid once per step or per collective (Python hooks, the "
             "ledger, launching a collective) weigh more: zerolab's ratios to torch come out "
             "larger (zerolab DDP measured 1.3-3.9x torch DDP on nano, 1.04-1.05x on small).", 100)

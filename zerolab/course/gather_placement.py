@@ -1,6 +1,6 @@
 """Where ZeRO-1/2's all_gather goes, measured: step time after the step vs before the next forward.
 
-Idea (issue #21, item 4): ZeRO-1 and ZeRO-2 all_gather the updated weights either at the end of
+Idea: ZeRO-1 and ZeRO-2 all_gather the updated weights either at the end of
 the step (gather="after_step", the notes': nothing is left to compute, so nothing hides them) or
 just before each unit's next forward, one unit ahead, so that each gather runs while the unit
 before it computes (gather="before_forward", FSDP's SHARD_GRAD_OP). Same bytes, same memory;

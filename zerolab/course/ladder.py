@@ -1,6 +1,6 @@
 """The low-precision state ladder, measured: bytes per parameter and loss against fp32 states.
 
-Idea (issue #21, item 6): the optimizer states of bf16 training cost 16 bytes per parameter
+Idea: the optimizer states of bf16 training cost 16 bytes per parameter
 (2 + 2 + 4 + 4 + 4); storing the moments in bf16 gives 12, making the bf16 weights their own
 master gives 8, and a bf16 Kahan compensation buffer buys back most of the lost precision for 2
 bytes more: 10 (zerolab.optim, `theory.state_ladder`; Megatron's 20 / 18 / 16 table next to it).

@@ -1,6 +1,6 @@
 """ZeRO-Offload, measured: bytes on the device and on the host, the step split, the same losses.
 
-Idea (issue #21, item 5; zerolab/offload.py): one torchrun group builds ZeRO-2 and ZeRO-2 with
+Idea (zerolab/offload.py): one torchrun group builds ZeRO-2 and ZeRO-2 with
 its optimizer offloaded (once per host link given) from the same seed and runs them round by
 round on the same batches, one bf16 step of each per round in an order rotated every round, a
 barrier before each step (as `zerolab bench`). Measured per rank:
@@ -26,7 +26,7 @@ cost (torch's AdamW on the CPU vs the GPU's), which this module measures the sam
 cuda`, one rank per GPU: the copies are real and `--offload-link` is only the model).
 
 Measured (tiny, 2 gloo ranks on a shared 2-core CPU at load 4-6, bf16, batch 8, 30 rounds;
-README "Time"): device bytes per rank 661,632 with offload vs 1,984,896 without, host 1,984,896,
+docs/time.md): device bytes per rank 661,632 with offload vs 1,984,896 without, host 1,984,896,
 each equal to its formula; losses equal bit for bit; step time, median [min-max] over rounds:
 plain 211 ms [134-1266], offloaded over emulated PCIe 4 244 ms, 1.00x [0.78-1.93] the plain
 step of the same round (host update 6.4 ms, model 4.9; transfers 0.3 ms; the cores' load swamps

@@ -92,10 +92,10 @@ def prefetch_gain(preset: str = "tiny", gbps: float = 1.0, latency_us: float = 1
     med = {p: statistics.median(ts) for p, ts in times.items()}
     return {"predicted": (1 - model_s[1] / model_s[0]), "measured": 1 - ratio,
             "scaling": f"GPT {preset}, 4 rows a rank, {gbps:g} Gb/s + {latency_us:g} us emulated "
-                       f"link, 2 ranks (rank 0 timed on a fake group, {rounds} rounds): median "
+                       f"link, 2 ranks (rank 0 timed on a fake group, {rounds} rounds). Median "
                        f"{med[0] * 1e3:.1f} -> {med[1] * 1e3:.1f} ms a step, median of the "
-                       f"rounds' ratios {ratio:.3f} (the measured gain is 1 - it); the model (compute "
-                       f"of the units only) {model_s[0] * 1e3:.1f} -> {model_s[1] * 1e3:.1f} ms. "
+                       f"rounds' ratios {ratio:.3f} (the measured gain is 1 - it). The model (compute "
+                       f"of the units only): {model_s[0] * 1e3:.1f} -> {model_s[1] * 1e3:.1f} ms. "
                        "The emulator sleeps for the model's time: this checks zerolab's schedule "
                        "and overlap, not a network"}
 

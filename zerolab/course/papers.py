@@ -43,8 +43,8 @@ GB, BILLION = 1e9, 1e9
 V100 = 32e9                     # the ZeRO paper's GPU memory (Table 2): 32 GB V100
 #: `Row.rechecked` where the paper's own text could not be read here (no network to its PDF):
 #: whose quotation the value is
-ISSUE = ("not rechecked against the paper's own text (unreachable offline when written): the "
-         "value as the course's planning notes quote it")
+ISSUE = ("not rechecked against the paper's own text (its PDF could not be reached offline): "
+         "the value as the course's planning notes quote it")
 TABLE2 = ("checked against a transcription of Table 2 (values and MP / GPU rows), not the paper's "
           "PDF")
 COURSE = "not rechecked in the paper here (its text could not be reached): as the course quotes it"
@@ -175,9 +175,9 @@ def zero_memory() -> list[Row]:
              f"gradient copies AdamW reads: `theory.peak_step_bytes`): that explains "
              f"{states[0] - peak[0]:.2f}B of DDP's {states[0] - 1.3:.2f}B gap and "
              f"{states[1] - peak[1]:.2f}B of P_os's {states[1] - 6.2:.2f}B. The rest is what the "
-             "paper calls residual memory (section 3.2): activations (batch x sequence x width x "
-             "layers, not Ψ), temporary buffers and fragmented free blocks, which a meter of "
-             "states cannot see (notebook 10 measures activations with the allocator)."),
+             "paper calls residual memory (section 3.2). It is activations (batch x sequence x "
+             "width x layers, not Ψ), temporary buffers and fragmented free blocks. A meter of "
+             "states cannot see them (notebook 10 measures activations with the allocator)."),
         question="A 1.3B GPT-2 in the paper's run: with 16 + 4 bytes/param at the peak, how "
                  "many GB are left on 32 GB for activations and fragmentation?"))
     return rows
@@ -263,7 +263,7 @@ def fsdp_rows() -> list[Row]:
             "backward prefetching (~18 %)", (0.18,), (gain["predicted"],), (gain["measured"],),
             "fraction", gain["scaling"], 0.35, rechecked=ISSUE, timed=True,
             why="The gain is the share of the step the next block's all_gather can hide behind "
-                "compute: it grows with the link's time over the compute's, so it is the paper's "
+                "compute. It grows with the link's time over the compute's. So it is the paper's "
                 "~18 % only on a link as slow, relative to compute, as the paper's.",
             question="On a 10x faster emulated link (--link-gbps 10), predict the gain, then "
                      "`zerolab time` it"),
@@ -300,10 +300,10 @@ def offload_rows() -> list[Row]:
                 "ZeRO-Offload, one-step delayed parameter update (hides the CPU's update behind "
                 "the GPU's forward and backward)", (0,), ((dpu - device_s) / dpu,), None,
                 "fraction", f"cost model: 10B on one V100 at the paper's 40 TFLOP/s, {tokens} "
-                f"tokens a step (the course's default; the paper's batch not quoted here): GPU "
-                f"{device_s:.1f} s; host = this machine's AdamW as the offload runs it (one flat "
-                f"fp32 buffer, {host * 1e9:.1f} ns/param) x 10B + 4Ψ over PCIe 4 = {cpu_s:.1f} s; "
-                f"step "
+                f"tokens a step (the course's default; the paper's batch not quoted here). GPU "
+                f"{device_s:.1f} s. Host: this machine's AdamW as the offload runs it (one flat "
+                f"fp32 buffer, {host * 1e9:.1f} ns/param) x 10B + 4Ψ over PCIe 4 = {cpu_s:.1f} s. "
+                f"Step "
                 f"{device_s + cpu_s:.1f} s without DPU, {dpu:.1f} s with", 0.05,
                 rechecked=ISSUE, timed=True,
                 why=f"DPU hides the update only while the GPU's step is the longer: at this "
@@ -360,9 +360,9 @@ def zeropp_rows() -> list[Row]:
             "(ZeRO-3: 3M)", src + ", abstract and section 3: 3M -> 0.75M", (0.75,),
             (tiers.zeropp_cross_node_in_m(big_n, big_k, 256)["zero++"],), (combined,), "M",
             f"ledger of rank 0, GPT nano, fake world of {big_n} in nodes of {big_k}, --hybrid "
-            "hpz --quantize-weights int8 --quantize-grads int4 (qgZ in two hops); prediction: "
+            "hpz --quantize-weights int8 --quantize-grads int4 (qgZ in two hops). Prediction: "
             "tiers.zeropp_cross_node_in_m, (N-1)/N(1/2 + 2/B) + (m-1)/m(1/4 + 2/B) with m nodes "
-            "and an fp32 scale per B = 256 values; the paper's 0.75M is its limit for many nodes",
+            "and an fp32 scale per B = 256 values. The paper's 0.75M is its limit for many nodes",
             0.05, question="At N = 8 in nodes of 4 (two nodes): predict the M, then run "
                            "tiers.zeropp_cross_node_in_m(8, 4, 256)"),
         Row("zeropp-qwz", "qwZ: weight all_gather bytes, int8 over fp16",

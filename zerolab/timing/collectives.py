@@ -15,7 +15,7 @@ NICs per node on the inter link between nodes; default c = k, one NIC per GPU as
 nodes). A collective is timed by the tiers its group crosses. Inside one node: the formulas
 above on the intra link. Through several nodes NCCL runs one ring per NIC, each leaving a node
 through its own NIC, so a GPU puts 1/k of its ring bytes on a NIC and (k-1)/k on NVLink and the
-ring is as fast as the node's NICs together (`flat_leg`; NVIDIA/nccl#569, #687, #412):
+ring is as fast as the node's NICs together (`flat_leg`; NVIDIA/nccl#569, NVIDIA/nccl#687, NVIDIA/nccl#412):
 
     flat all_reduce over n ranks, k per node, c = k NICs
         2(n-1)·α_inter + 2(n-1)/n · S · max(1/(k·β_nic), (k-1)/(k·β_intra))
@@ -139,7 +139,7 @@ def flat_leg(op: str, size_bytes: float, ranks, topology: Topology, algorithm: s
 
     Inside one node every hop is intra: the one-tier time on the intra link. Through several
     nodes NCCL runs one ring per NIC (channels), each entering and leaving a node through its
-    own NIC and crossing the intra link in between (NVIDIA/nccl#687, #412). A GPU then puts
+    own NIC and crossing the intra link in between (NVIDIA/nccl#687, NVIDIA/nccl#412). A GPU then puts
     1/g of its ring bytes on its NIC and (g-1)/g on the intra link, the rings run side by
     side, and the ring is as fast as the node's NICs together (`nic_link`: g · min(c, k)/k
     NICs) or its intra link, whichever is slower; each ring step still waits for its slowest
@@ -153,7 +153,7 @@ def flat_leg(op: str, size_bytes: float, ranks, topology: Topology, algorithm: s
     term; with one NIC per node (c = 1) it is the one-tier ring on the slower link, 2(n-1)·(α +
     S/(n·β_nic)). A group with one rank per node has NIC hops only, at its rank's NIC share.
 
-    NCCL's tree all_reduce (algorithm "tree") is hierarchical (NVIDIA/nccl#545, #548): a chain
+    NCCL's tree all_reduce (algorithm "tree") is hierarchical (NVIDIA/nccl#545, NVIDIA/nccl#548): a chain
     through each node's g ranks, a double binary tree across the m nodes, each rank sending
     about 2S (up and down) and a node's NICs 2S in all:
 
