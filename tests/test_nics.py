@@ -94,6 +94,13 @@ def test_ring_latency_is_nccls_tuning_model():
     # a single link knows one α: every step pays it
     assert cm.ring_latency("all_reduce", 1024, hw.LINKS["ib-ndr"]) == pytest.approx(2046 * 5e-6)
     assert "2(m-1)·α_inter + 2(n-m)·α_intra = 4.85 ms" in cm.latency_note(1024, topo)
+    # flat_link, the one link the figures draw T* with, carries the same latency per step:
+    # (7·5 + 56·2) us / 63 on 8 nodes of 8, so a ring on it takes flat_leg's time
+    topo64 = hw.get_topology(8, "nvlink4", "ib-ndr", 64)
+    assert cm.flat_link(topo64, 64).latency == pytest.approx((7 * 5e-6 + 56 * 2e-6) / 63)
+    for op in ("all_reduce", "all_gather"):
+        assert cm.collective_time(op, 1e9, 64, cm.flat_link(topo64, 64)) == pytest.approx(
+            model(op, 1e9, 64, topo64), rel=1e-12)
 
 
 def test_one_nic_per_node_is_the_one_tier_ring_on_it():

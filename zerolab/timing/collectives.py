@@ -275,10 +275,12 @@ def legs(op: str, size_bytes: float, n: int, network: Link | Topology, algorithm
 
 
 def flat_link(network: Link | Topology, n: int) -> Link:
-    """The one link a flat ring on the first n ranks of `network` runs as fast as: the Link
-    itself; on a Topology inside one node the intra link, else the slower of the node's NICs
-    together (`nic_link`) and the intra link at 1/u (`flat_leg`), at that tier's α (one NIC's
-    worth: the inter Link itself). Its bandwidth is the ring's bus bandwidth."""
+    """The one link a flat ring on the first n ranks of `network` runs as: the Link itself; on a
+    Topology inside one node the intra link, else the slower of the node's NICs together
+    (`nic_link`) and the intra link at 1/u (`flat_leg`). Its bandwidth is the ring's bus
+    bandwidth; its α is the ring's latency per step, `ring_latency` / ring_steps, so that
+    `collective_time` on it gives `flat_leg`'s time for a ring: ((m-1)·α_inter + (n-m)·α_intra)
+    / (n-1) through m nodes (the same for all_reduce, 2(m-1) and 2(n-m) steps of 2(n-1))."""
     if not isinstance(network, Topology):
         return network
     per_node = _per_node(range(n), network)
@@ -286,10 +288,11 @@ def flat_link(network: Link | Topology, n: int) -> Link:
         return network.intra
     g, big = min(per_node.values()), max(per_node.values())
     nic, u = nic_link(network, g), nvlink_share(network, big)
+    alpha = ring_latency("all_gather", n, network) / (n - 1)
     if not u or nic.bandwidth <= network.intra.bandwidth / u:
-        return nic
+        return Link(nic.name, nic.bandwidth, alpha, nic.source)
     return Link(f"{network.intra.name} at 1/{u:.3g} of its bandwidth", network.intra.bandwidth / u,
-                network.intra.latency, network.intra.source)
+                alpha, network.intra.source)
 
 
 def tier_bytes(op: str, size_bytes: float, ranks, topology: Topology, rank: int | None = None,
