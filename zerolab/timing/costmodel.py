@@ -49,7 +49,12 @@ for twice the FLOPs: the same T*.
 prints `timetable.format_time_table`: this model's replay of every stage, and its T*.
 
 Not modelled: the optimizer step (memory-bound, small next to compute at these token counts),
-activation recomputation, stragglers, congestion, a link below its datasheet bandwidth. The links
+activation recomputation, stragglers, congestion, a link below its datasheet bandwidth, and what
+an overlapped collective takes from compute: NCCL runs each collective as a kernel on some of the
+GPU's SMs (2 for one PCIe NIC up to 16 on an 8-NIC DGX; its blocks never share an SM with a
+compute kernel, NVIDIA/nccl#689), so the matmuls it overlaps run slower (30-40 % in
+pytorch/pytorch#179937, which moves FSDP's collectives on NVLink to copy-engine ones). The
+replay's overlapped step is therefore a floor. The links
 and devices, with their sources: `hardware.py`.
 """
 from __future__ import annotations
