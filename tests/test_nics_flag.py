@@ -44,10 +44,11 @@ def test_time_uses_the_nics_given(nics, capsys):
     ddp, z3 = _api(nics)
     assert _ms(_row(out, "DDP"), "all_reduce") == f"{ddp * 1e3:.4g}"
     assert _ms(_row(out, "ZeRO-3 +prefetch"), "all_gather") == f"{z3 * 1e3:.4g}"
-    # by hand: 32 bucket all_reduces of S = 2Ψ/32 on a ring of 64 ranks, 2·63·α_inter plus
-    # 2·63/64·S over one 50 GB/s NIC a node (c = 1), or a node's 8 NICs together
+    # by hand: 32 bucket all_reduces of S = 2Ψ/32 on a ring of 64 ranks in 8 nodes, NCCL's
+    # latency 2·7·α_inter + 2·56·α_intra (src/graph/tuning.cc) plus 2·63/64·S over one 50 GB/s
+    # NIC a node (c = 1), or a node's 8 NICs together
     S = 2 * 7.5e9 / 32
-    assert ddp == pytest.approx(32 * (126 * 5e-6 + 2 * 63 / 64 * S / (c * 50e9)), rel=1e-9)
+    assert ddp == pytest.approx(32 * (14 * 5e-6 + 112 * 2e-6 + 2 * 63 / 64 * S / (c * 50e9)), rel=1e-9)
 
 
 def test_whatif_takes_the_nics(capsys):

@@ -1,10 +1,11 @@
 """Two tiers: the cost model by hand, the CLI's options and errors, and the emulator on 4 gloo
 ranks as 2 nodes x 2 against the model (zerolab/timing/tiercheck.py states the margins).
 
-Sources: the α-β ring formulas of tests/test_costmodel.py; a ring through several nodes waits
-on every step for its slowest hop, and NCCL runs one ring per NIC, each leaving a node through
-its own NIC (NVIDIA/nccl#687, #412: a node's bus bandwidth is its NICs', tests/test_nics.py holds
-it to published measurements); a hierarchical all_reduce is reduce_scatter intra + all_reduce of
+Sources: the α-β ring formulas of tests/test_costmodel.py; a ring through m nodes pays the
+network's α only on the steps that cross nodes, 2(m-1) for an all_reduce, and the intra link's
+on the rest (NCCL's tuning model, src/graph/tuning.cc); NCCL runs one ring per NIC, each leaving
+a node through its own NIC (NVIDIA/nccl#687, NVIDIA/nccl#412: a node's bus bandwidth is its
+NICs', tests/test_nics.py holds it to published measurements); a hierarchical all_reduce is reduce_scatter intra + all_reduce of
 S/k inter + all_gather intra (Horovod's hierarchical allreduce, FSDP's HYBRID_SHARD gradient
 path, ZeRO++'s hpZ / qgZ tiers).
 """
@@ -37,16 +38,16 @@ def test_a_flat_ring_pays_the_tier_it_crosses():
     inside = cm.flat_leg("all_reduce", S, range(4), TOPO)
     assert (inside.tier, inside.uses) == ("intra", ("intra",))
     assert inside.seconds == pytest.approx(6 * (1e-5 + S / 4 / 1e9), rel=1e-12)
-    # over 8 ranks on 2 nodes, one NIC per node: every step waits for the node-crossing hop,
-    # 2·7·(100 us + S/(8·1e8)): the one-tier ring on the NIC
+    # over 8 ranks on 2 nodes, one NIC per node: the bytes at the one-tier ring's rate on the
+    # NIC, 2·7/8·S/1e8; the latency NCCL's, 2 node-crossing steps at 100 us, 12 at 10 us
     flat1 = cm.flat_leg("all_reduce", S, range(8), TOPO1)
     assert (flat1.tier, flat1.uses) == ("inter", ("intra", "inter"))
-    assert flat1.seconds == pytest.approx(14 * (1e-4 + S / 8 / 1e8), rel=1e-12)
+    assert flat1.seconds == pytest.approx(2 * 1e-4 + 12 * 1e-5 + 14 * S / 8 / 1e8, rel=1e-12)
     # a NIC per rank: 4 rings side by side, each leaving a node through its own NIC, so the
     # bandwidth term is 2·7/8·S·max(1/(4·β_nic), 3/(4·β_intra)) = 1.75·S·2.5 ns
     flat = cm.flat_leg("all_reduce", S, range(8), TOPO)
     assert (flat.tier, flat.uses) == ("inter", ("intra", "inter"))
-    assert flat.seconds == pytest.approx(14 * 1e-4 + 2 * 7 / 8 * S / (4 * 1e8), rel=1e-12)
+    assert flat.seconds == pytest.approx(2 * 1e-4 + 12 * 1e-5 + 2 * 7 / 8 * S / (4 * 1e8), rel=1e-12)
     # one rank per node: NIC hops only, at the rank's NIC share (a whole NIC; a quarter of one)
     across = cm.flat_leg("all_gather", S, [1, 5], TOPO)
     assert (across.tier, across.uses, across.n) == ("inter", ("inter",), 2)
@@ -54,10 +55,11 @@ def test_a_flat_ring_pays_the_tier_it_crosses():
     shared = cm.flat_leg("all_gather", S, [1, 5], TOPO1)
     assert shared.seconds == pytest.approx(1e-4 + S / 2 / (1e8 / 4), rel=1e-12)
     # the slower side decides even when it is the intra one (fast NICs, a slow PCIe): 3/4 of
-    # the ring bytes at 1e8 against 1/4 at 1e9
+    # the ring bytes at 1e8 against 1/4 at 1e9; the latency is still 2 crossing steps (now
+    # the 10 us link's) and 12 inside (the 100 us link's)
     swapped = cm.flat_leg("all_reduce", S, range(8), hw.Topology(4, INTER, INTRA))
     assert swapped.tier == "intra"
-    assert swapped.seconds == pytest.approx(14 * 1e-4 + 2 * 7 / 8 * S * 3 / 4 / 1e8, rel=1e-12)
+    assert swapped.seconds == pytest.approx(2 * 1e-5 + 12 * 1e-4 + 2 * 7 / 8 * S * 3 / 4 / 1e8, rel=1e-12)
 
 
 def test_hierarchical_all_reduce_pays_each_tier_for_its_part():
@@ -72,8 +74,8 @@ def test_hierarchical_all_reduce_pays_each_tier_for_its_part():
     # one NIC per node: the 4 chunks' rings share it, S/(k·m·β_e/4)
     shared = cm.hierarchical_all_reduce(S, range(8), TOPO1)
     assert shared[1].seconds == pytest.approx(2 * (1e-4 + S / 4 / 2 / (1e8 / 4)), rel=1e-12)
-    # against the flat ring on the same nodes (26.1 ms against 36.4 ms with a NIC per rank;
-    # 92.3 ms against 140.1 ms with one NIC per node)
+    # against the flat ring on the same nodes (32.3 ms against 35.3 ms with a NIC per rank;
+    # 92.3 ms against 140.3 ms with one NIC per node)
     for topo in (TOPO, TOPO1):
         hier = sum(leg.seconds for leg in cm.hierarchical_all_reduce(S, range(8), topo))
         assert hier < cm.flat_leg("all_reduce", S, range(8), topo).seconds
@@ -120,20 +122,28 @@ def test_a_topology_reduces_to_one_link_at_its_ends():
 
 
 def test_one_nic_per_node_is_the_single_link_ring():
-    """c = 1: every flat collective on several nodes takes the one-tier ring's time on the NIC,
-    whatever k (the single-NIC case the course taught before NICs per node were modelled)."""
+    """c = 1: every flat collective on several nodes moves its bytes at the one-tier ring's
+    rate on the NIC, whatever k (the single-NIC case); with the intra link's α equal to the
+    NIC's, the step is the one-tier ring's step on the NIC. Its latency is NCCL's: an
+    all_gather on 8 ranks in m = 8/k nodes pays (m-1)·α_inter + (8-m)·α_intra."""
     units = cm.uniform_units(1e9, 8, 4096, hw.DEVICES["h100"])
+    nic, S = hw.LINKS["ib-ndr"], 1e9
     for k in (2, 4):
-        topo = hw.Topology(k, hw.LINKS["nvlink4"], hw.LINKS["ib-ndr"], nics_per_node=1)
+        m = 8 // k
+        topo = hw.Topology(k, hw.LINKS["nvlink4"], nic, nics_per_node=1)
+        assert cm.flat_leg("all_gather", S, range(8), topo).seconds == pytest.approx(
+            (m - 1) * 5e-6 + (8 - m) * 2e-6 + 7 / 8 * S / 50e9, rel=1e-12)
+        same_alpha = hw.Topology(k, hw.Link("nvlink4, α = 5 us", 450e9, 5e-6), nic, nics_per_node=1)
         for stage in (0, 2, 3):
-            two = cm.step_time(stage, units, 8, topo, prefetch=True)
-            one = cm.step_time(stage, units, 8, hw.LINKS["ib-ndr"], prefetch=True)
+            two = cm.step_time(stage, units, 8, same_alpha, prefetch=True)
+            one = cm.step_time(stage, units, 8, nic, prefetch=True)
             assert two.total == pytest.approx(one.total, rel=1e-12)
+            assert cm.step_time(stage, units, 8, topo, prefetch=True).total <= one.total
 
 
 def test_flat_and_hierarchical_ddp_on_nodes_of_8_gpus_and_8_nics():
     """7.5B, N = 64 as 8 x 8 H100 with NVLink 4 and 8 NDR NICs a node. Each of DDP's 32 bucket
-    all_reduces (2Ψ/32 bf16 bytes) is a flat ring at the node's 8 NICs, 2·63·5 us +
+    all_reduces (2Ψ/32 bf16 bytes) is a flat ring at the node's 8 NICs, 2·7·5 us + 2·56·2 us +
     2·63/64·S/(8·50 GB/s); hierarchical, reduce_scatter + all_gather on NVLink, 7·(2 us +
     S/(8·450 GB/s)) each, and an all_reduce of S/8 over 8 nodes, 14·5 us + 2·7/8·(S/8)/50 GB/s:
     slower than the flat ring, which keeps NVLink and the NICs busy at once."""
@@ -142,7 +152,7 @@ def test_flat_and_hierarchical_ddp_on_nodes_of_8_gpus_and_8_nics():
     flat = cm.step_time(0, units, 64, topo, overlap=False)
     hier = cm.step_time(0, units, 64, topo, overlap=False, hierarchical=True)
     S = 2 * 7.5e9 / 32
-    assert flat.comm == pytest.approx(32 * (126 * 5e-6 + 2 * 63 / 64 * S / 400e9), rel=1e-9)
+    assert flat.comm == pytest.approx(32 * (14 * 5e-6 + 112 * 2e-6 + 2 * 63 / 64 * S / 400e9), rel=1e-9)
     inside = 7 * (2e-6 + S / 8 / 450e9)
     across = 14 * 5e-6 + 2 * 7 / 8 * S / 8 / 50e9
     assert hier.comm == pytest.approx(32 * (2 * inside + across), rel=1e-9)
@@ -189,9 +199,10 @@ def test_time_and_whatif_show_the_tier_each_collective_pays(capsys):
     out = capsys.readouterr().out
     assert "8 node(s) x 8 ranks per node, 8 NICs per node" in out
     assert "intra nvlink4" in out and "inter ib-ndr" in out
-    # DDP: 32 bucket all_reduces of S = 2Ψ/32, each 2·63·5 us + 2·63/64·S/(8 NICs x 50 GB/s)
+    # DDP: 32 bucket all_reduces of S = 2Ψ/32, each 2·7·5 us + 2·56·2 us (NCCL's latency: 14
+    # steps cross the 8 nodes) + 2·63/64·S/(8 NICs x 50 GB/s)
     S = 2 * 7.5e9 / 32
-    ddp = 32 * (126 * 5e-6 + 2 * 63 / 64 * S / 400e9) * 1e3
+    ddp = 32 * (14 * 5e-6 + 112 * 2e-6 + 2 * 63 / 64 * S / 400e9) * 1e3
     assert f"all_reduce {ddp:.4g} [inter]" in out, ddp
     # hierarchical: 2 x 7·(2 us + S/(8·450 GB/s)) intra, 14·5 us + 2·7/8·(S/8)/50 GB/s inter
     intra = 32 * 2 * 7 * (2e-6 + S / 8 / 450e9) * 1e3

@@ -12,8 +12,8 @@ one core, 5 % of a 150 ms step, so about 0.03 of the ratio on 2 ranks), and the 
 noisy (on the GPU machine's 16 idle cores ZeRO-1 once measured cpu 0.96 against comm 1.05).
 ZeRO-3 moves 1.5x DDP's logical bytes (the notes' 3 x (n-1)/n · 2Ψ against 2 x; on gloo twice,
 its reduce_scatter running as an all_reduce), and on `small` with 2 gloo ranks on 2
-cores its collectives' replay took 8-17 % of torch DDP's step CPU more than torch DDP's own
-replay (the `comm` column 1.08-1.17; docs/measured.md): a ratio to torch DDP
+cores its replayed collectives cost 8-17 % of torch DDP's step CPU more than torch DDP's own
+(`comm` 1.08-1.17, docs/measured.md): a ratio to torch DDP
 below 1 + (extra collective CPU) / (torch DDP's step CPU) is out of reach there for any ZeRO-3
 that issues this schedule - one all_gather per block in forward and in backward, one
 reduce_scatter per block - through gloo.

@@ -15,13 +15,19 @@ NICs per node on the inter link between nodes; default c = k, one NIC per GPU as
 nodes). A collective is timed by the tiers its group crosses. Inside one node: the formulas
 above on the intra link. Through several nodes NCCL runs one ring per NIC, each leaving a node
 through its own NIC, so a GPU puts 1/k of its ring bytes on a NIC and (k-1)/k on NVLink and the
-ring is as fast as the node's NICs together (`flat_leg`; NVIDIA/nccl#569, NVIDIA/nccl#687, NVIDIA/nccl#412):
+ring is as fast as the node's NICs together (`flat_leg`; NVIDIA/nccl#569, NVIDIA/nccl#687,
+NVIDIA/nccl#412):
 
-    flat all_reduce over n ranks, k per node, c = k NICs
-        2(n-1)·α_inter + 2(n-1)/n · S · max(1/(k·β_nic), (k-1)/(k·β_intra))
+    flat all_reduce over n ranks in m nodes, k per node, c = k NICs
+        2(m-1)·α_inter + 2(n-m)·α_intra + 2(n-1)/n · S · max(1/(k·β_nic), (k-1)/(k·β_intra))
 
-With one NIC per node (c = 1) this is the one-tier ring on the NIC, 2(n-1)·(α_inter +
-S/(n·β_nic)): the single-NIC case. A hierarchical all_reduce pays each tier for its own part
+The latency is NCCL's own tuning model (src/graph/tuning.cc, `ncclTopoTuneModel`: a ring's
+nsteps - nInterSteps steps at the intra-node latency, nInterSteps at the network's): of a ring
+all_reduce's 2(n-1) steps only the 2(m-1) that cross nodes pay α_inter, the other 2(n-m) pay
+α_intra; a reduce_scatter or all_gather pays (m-1)·α_inter + (n-m)·α_intra (`ring_latency`).
+(Newer NCCL versions count 2m crossing steps for an all_reduce, one more hop a pass.) With one
+NIC per node (c = 1) the bandwidth term is the one-tier ring's on the NIC, 2(n-1)/n · S/β_nic:
+the single-NIC case. A hierarchical all_reduce pays each tier for its own part
 (`hierarchical_all_reduce`; k ranks per node, m nodes, each rank's own NIC share):
 
     reduce_scatter inside the node      (k-1) · (α_intra + S/(k·β_intra))
@@ -29,7 +35,8 @@ S/(n·β_nic)): the single-NIC case. A hierarchical all_reduce pays each tier fo
     all_gather inside the node          (k-1) · (α_intra + S/(k·β_intra))
 
 so a NIC carries 2(m-1)/m · S/k instead of a flat ring's 2(n-1)/n · S/k - hardly fewer bytes;
-what it changes is the latency, 2(m-1) inter steps instead of 2(n-1). NCCL's own tree
+what it changes is the latency inside the node: both pay 2(m-1) steps at α_inter, but the
+hierarchy 2(k-1) at α_intra where the flat ring pays 2(n-m). NCCL's own tree
 all_reduce is hierarchical too (chains inside a node, a tree across nodes: `flat_leg` with
 algorithm "tree"). `tier_bytes` says how many bytes a rank sends over each tier. In a replayed
 step each tier's link serves its legs in issue order (`Clocks`, as `linkemu.TieredLinkEmulator`
@@ -56,6 +63,36 @@ def ring_steps(op: str, n: int) -> int:
     if op not in theory.RING_FACTOR:
         raise ValueError(f"op {op!r} is not one of {', '.join(OPS)}")
     return (2 if op == "all_reduce" else 1) * (theory.check_world_size(n) - 1)
+
+
+def inter_steps(op: str, nodes: int) -> int:
+    """The steps of a ring through `nodes` nodes that cross a node boundary, as NCCL's tuning
+    model counts them (src/graph/tuning.cc, nInterSteps): 2(m-1) for all_reduce, m-1 for the
+    others. all_to_all, which NCCL's ring model does not cover, counts every one of its n-1 steps
+    as crossing (`ring_latency`)."""
+    return (2 if op == "all_reduce" else 1) * (nodes - 1)
+
+
+def ring_latency(op: str, n: int, network: Link | Topology) -> float:
+    """Seconds of latency of a flat ring `op` on the first n ranks of `network`.
+
+    One Link: ring_steps·α (every step on that link). A Topology: inside one node, ring_steps·α_intra;
+    through m nodes, NCCL's tuning model (src/graph/tuning.cc, `ncclTopoTuneModel`): the
+    `inter_steps` that cross nodes at α_inter, the rest at α_intra -
+    2(m-1)·α_inter + 2(n-m)·α_intra for an all_reduce, (m-1)·α_inter + (n-m)·α_intra for a
+    reduce_scatter or all_gather. all_to_all pays α_inter on each of its n-1 steps."""
+    steps = ring_steps(op, n)
+    if not isinstance(network, Topology):
+        return steps * network.latency
+    per_node = _per_node(range(n), network)
+    return _latency(op, steps, len(per_node), network)
+
+
+def _latency(op: str, steps: int, nodes: int, topology: Topology) -> float:
+    if nodes <= 1:
+        return steps * topology.intra.latency
+    cross = steps if op == "all_to_all" else inter_steps(op, nodes)
+    return cross * topology.inter.latency + (steps - cross) * topology.intra.latency
 
 
 def tree_steps(n: int) -> int:
@@ -139,19 +176,21 @@ def flat_leg(op: str, size_bytes: float, ranks, topology: Topology, algorithm: s
 
     Inside one node every hop is intra: the one-tier time on the intra link. Through several
     nodes NCCL runs one ring per NIC (channels), each entering and leaving a node through its
-    own NIC and crossing the intra link in between (NVIDIA/nccl#687, NVIDIA/nccl#412). A GPU then puts
-    1/g of its ring bytes on its NIC and (g-1)/g on the intra link, the rings run side by
-    side, and the ring is as fast as the node's NICs together (`nic_link`: g · min(c, k)/k
-    NICs) or its intra link, whichever is slower; each ring step still waits for its slowest
-    hop's α:
+    own NIC and crossing the intra link in between (NVIDIA/nccl#687, NVIDIA/nccl#412). A GPU
+    then puts 1/g of its ring bytes on its NIC and (g-1)/g on the intra link, the rings run
+    side by side, and the ring is as fast as the node's NICs together (`nic_link`: g · min(c, k)/k
+    NICs) or its intra link, whichever is slower. Its latency is NCCL's tuning model
+    (src/graph/tuning.cc, `ring_latency`): only the steps that cross nodes pay α_inter:
 
-        ring    max( steps·α_inter + R·S / (g·s·β_nic),  steps·α_intra + R·S·u / β_intra )
+        ring    L + max( R·S / (g·s·β_nic),  R·S·u / β_intra )
+        L       2(m-1)·α_inter + 2(n-m)·α_intra   (all_reduce; (m-1), (n-m) for the others)
 
     R·S the ring bytes per rank (2(n-1)/n·S for all_reduce), s = min(c, k)/k the NIC share of
     a GPU, u = (g-1)/g with a NIC per GPU, else 1 (`nvlink_share`). With a NIC per GPU and g =
-    k this is 2(n-1)/n·S·max(1/(k·β_nic), (k-1)/(k·β_nvlink)) for an all_reduce's bandwidth
-    term; with one NIC per node (c = 1) it is the one-tier ring on the slower link, 2(n-1)·(α +
-    S/(n·β_nic)). A group with one rank per node has NIC hops only, at its rank's NIC share.
+    k the bandwidth term is 2(n-1)/n·S·max(1/(k·β_nic), (k-1)/(k·β_nvlink)) for an all_reduce;
+    with one NIC per node (c = 1) it is the one-tier ring's on the slower link, 2(n-1)/n·S/β_nic.
+    A group with one rank per node has NIC hops only (m = n: every step pays α_inter), at its
+    rank's NIC share.
 
     NCCL's tree all_reduce (algorithm "tree") is hierarchical (NVIDIA/nccl#545, NVIDIA/nccl#548): a chain
     through each node's g ranks, a double binary tree across the m nodes, each rank sending
@@ -161,7 +200,8 @@ def flat_leg(op: str, size_bytes: float, ranks, topology: Topology, algorithm: s
 
     "auto": the cheaper of the two for an all_reduce. reduce_scatter and all_gather are rings
     under every algorithm. The leg is paid at the tier whose term is the longer (a tie: inter)
-    and keeps both links busy (`uses`: the tiers it has hops on)."""
+    and keeps both links busy (`uses`: the tiers it has hops on). The ring's leg is paid at the
+    tier whose bandwidth term is the longer (a tie: inter)."""
     ranks = list(ranks)
     steps = ring_steps(op, len(ranks))
     check_algorithm(algorithm)
@@ -174,10 +214,11 @@ def flat_leg(op: str, size_bytes: float, ranks, topology: Topology, algorithm: s
     m, g, big = len(per_node), min(per_node.values()), max(per_node.values())
     nic, intra, u = nic_link(topology, g), topology.intra, nvlink_share(topology, big)
     uses = ("intra", "inter") if big > 1 else ("inter",)
-    ring = {"inter": steps * nic.latency + theory.RING_FACTOR[op](n) * size_bytes / nic.bandwidth}
+    over = {"inter": theory.RING_FACTOR[op](n) * size_bytes / nic.bandwidth}
     if u:
-        ring["intra"] = steps * intra.latency + theory.RING_FACTOR[op](n) * size_bytes * u / intra.bandwidth
-    best = max(("intra", "inter"), key=lambda t: (ring.get(t, -1.0), t == "inter"))
+        over["intra"] = theory.RING_FACTOR[op](n) * size_bytes * u / intra.bandwidth
+    best = max(("intra", "inter"), key=lambda t: (over.get(t, -1.0), t == "inter"))
+    ring = {best: _latency(op, steps, m, topology) + over[best]}
     if op != "all_reduce" or algorithm == "ring":
         return Leg(op, best, n, size_bytes, ring[best], uses)
     chain = 2 * (big - 1) * intra.latency
@@ -234,10 +275,12 @@ def legs(op: str, size_bytes: float, n: int, network: Link | Topology, algorithm
 
 
 def flat_link(network: Link | Topology, n: int) -> Link:
-    """The one link a flat ring on the first n ranks of `network` runs as fast as: the Link
-    itself; on a Topology inside one node the intra link, else the slower of the node's NICs
-    together (`nic_link`) and the intra link at 1/u (`flat_leg`), at that tier's α (one NIC's
-    worth: the inter Link itself). Its bandwidth is the ring's bus bandwidth."""
+    """The one link a flat ring on the first n ranks of `network` runs as: the Link itself; on a
+    Topology inside one node the intra link, else the slower of the node's NICs together
+    (`nic_link`) and the intra link at 1/u (`flat_leg`). Its bandwidth is the ring's bus
+    bandwidth; its α is the ring's latency per step, `ring_latency` / ring_steps, so that
+    `collective_time` on it gives `flat_leg`'s time for a ring: ((m-1)·α_inter + (n-m)·α_intra)
+    / (n-1) through m nodes (the same for all_reduce, 2(m-1) and 2(n-m) steps of 2(n-1))."""
     if not isinstance(network, Topology):
         return network
     per_node = _per_node(range(n), network)
@@ -245,10 +288,11 @@ def flat_link(network: Link | Topology, n: int) -> Link:
         return network.intra
     g, big = min(per_node.values()), max(per_node.values())
     nic, u = nic_link(network, g), nvlink_share(network, big)
+    alpha = ring_latency("all_gather", n, network) / (n - 1)
     if not u or nic.bandwidth <= network.intra.bandwidth / u:
-        return nic
+        return Link(nic.name, nic.bandwidth, alpha, nic.source)
     return Link(f"{network.intra.name} at 1/{u:.3g} of its bandwidth", network.intra.bandwidth / u,
-                network.intra.latency, network.intra.source)
+                alpha, network.intra.source)
 
 
 def tier_bytes(op: str, size_bytes: float, ranks, topology: Topology, rank: int | None = None,

@@ -39,7 +39,8 @@ with prefetch, the next block's all_gather during the current block.
 ZeRO-3 becomes communication-bound when a block's all_gather takes longer than its forward
 compute: (n-1)/n·2Ψ_b/β  >  2Ψ_b·T/(F·MFU), i.e. below T* = (n-1)/n · F·MFU/β tokens per rank
 (bf16 params; the 2 bytes per parameter cancel the 2 FLOPs per parameter), plus
-(n-1)·α·F·MFU/(2Ψ_b) for latency (`zero3_comm_bound_tokens`; attention's FLOPs, when the shape is
+(n-1)·α·F·MFU/(2Ψ_b) for latency (on two tiers (m-1)·α_inter + (n-m)·α_intra in place of
+(n-1)·α, `ring_latency`; `zero3_comm_bound_tokens`; attention's FLOPs, when the shape is
 given, add compute and lower T*). Backward moves twice the bytes (all_gather + reduce_scatter)
 for twice the FLOPs: the same T*.
 
@@ -48,7 +49,12 @@ for twice the FLOPs: the same T*.
 prints `timetable.format_time_table`: this model's replay of every stage, and its T*.
 
 Not modelled: the optimizer step (memory-bound, small next to compute at these token counts),
-activation recomputation, stragglers, congestion, a link below its datasheet bandwidth. The links
+activation recomputation, stragglers, congestion, a link below its datasheet bandwidth, and what
+an overlapped collective takes from compute: NCCL runs each collective as a kernel on some of the
+GPU's SMs (2 for one PCIe NIC up to 16 on an 8-NIC DGX; its blocks never share an SM with a
+compute kernel, NVIDIA/nccl#689), so the matmuls it overlaps run slower (30-40 % in
+pytorch/pytorch#179937, which moves FSDP's collectives on NVLink to copy-engine ones). The
+replay's overlapped step is therefore a floor. The links
 and devices, with their sources: `hardware.py`.
 """
 from __future__ import annotations
@@ -60,7 +66,8 @@ from .flops import (MFU, MFU_SOURCE, check_mfu, compute_time,  # noqa: F401 (cos
                     flops_per_token, shape_from_params)
 from .collectives import (ALGORITHMS, OPS, Clocks, Leg, check_algorithm,  # noqa: F401 (re-exported)
                           collective_time, flat_leg, flat_link, hierarchical_all_reduce, legs,
-                          nic_link, nvlink_share, ring_steps, tier_bytes, tree_steps)
+                          inter_steps, nic_link, nvlink_share, ring_latency, ring_steps,
+                          tier_bytes, tree_steps)
 from ..compose import TAKES
 from ..hybrid import HYBRIDS
 from ..placement import GATHER_MODES
@@ -325,30 +332,32 @@ def zero3_comm_bound_tokens(block_params: float, world_size: int, link: Link | T
 
 def latency_note(world_size: int, link: Link | Topology, algorithm: str = "ring") -> str:
     """One line: which algorithm the collectives are modelled with, and at this N what a ring
-    all_reduce's latency costs against NCCL's tree (`collective_time`; on a Topology, at the α of
-    the link a flat ring over all N ranks is bound by, `flat_link`, and NCCL's hierarchical tree:
-    a chain through a node's k ranks, a tree across the m nodes, `flat_leg`)."""
+    all_reduce's latency costs against NCCL's tree (`collective_time`; on a Topology, NCCL's
+    tuning model, `ring_latency`: α_inter only on the steps that cross nodes, and NCCL's
+    hierarchical tree: a chain through a node's k ranks, a tree across the m nodes, `flat_leg`)."""
     n = theory.check_world_size(world_size)
     check_algorithm(algorithm)
     if n <= 2:
         return "collectives: ring (at N <= 2 a tree all_reduce has as many steps)"
     ms = (lambda seconds: f"{seconds * 1e3:.3g} ms")
     flat = flat_link(link, n)
-    ring, rs = ms(ring_steps("all_reduce", n) * flat.latency), ms((n - 1) * flat.latency)
+    ring, rs = ms(ring_latency("all_reduce", n, link)), ms(ring_latency("all_gather", n, link))
+    ar_name, rs_name = "2(n-1)·α", "(n-1)·α"
     if isinstance(link, Topology) and n > link.ranks_per_node:
         k, m = link.ranks_per_node, -(-n // link.ranks_per_node)
         tree = ms(tree_steps(m) * link.inter.latency + 2 * (k - 1) * link.intra.latency)
         tree_name = f"NCCL's tree 2·⌈log2 m⌉·α_inter + 2(k-1)·α_intra = {tree} (m = {m} nodes)"
+        ar_name, rs_name = "2(m-1)·α_inter + 2(n-m)·α_intra", "(m-1)·α_inter + (n-m)·α_intra"
     else:
         tree = ms(tree_steps(n) * flat.latency)
         tree_name = f"NCCL's tree 2·⌈log2 n⌉·α = {tree}"
     if algorithm == "ring":
-        return (f"collectives: ring. At N = {n} a ring all_reduce pays 2(n-1)·α = {ring} of latency, "
+        return (f"collectives: ring. At N = {n} a ring all_reduce pays {ar_name} = {ring} of latency, "
                 f"{tree_name} (--algo auto takes the cheaper per all_reduce); "
-                f"reduce_scatter / all_gather are rings in NCCL too, (n-1)·α = {rs} each")
+                f"reduce_scatter / all_gather are rings in NCCL too, {rs_name} = {rs} each")
     how = "the cheaper of ring and tree" if algorithm == "auto" else "tree"
-    return (f"collectives: all_reduce by {how} ({tree_name}, ring's 2(n-1)·α = {ring}); "
-            f"reduce_scatter / all_gather by ring, (n-1)·α = {rs} each (NCCL has no tree for them)")
+    return (f"collectives: all_reduce by {how} ({tree_name}, ring's {ar_name} = {ring}); "
+            f"reduce_scatter / all_gather by ring, {rs_name} = {rs} each (NCCL has no tree for them)")
 
 
 # --- compute measured on this machine, to feed the replay ----------------------------------------

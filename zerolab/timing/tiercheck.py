@@ -4,7 +4,9 @@ Idea: three all_reduces that the two-tier model tells apart, each timed on gloo 
 emulated links (`linkemu.TieredLinkEmulator`) and put next to `costmodel`'s time for its bytes:
 
     flat          over all 4 ranks: one ring per NIC (a NIC per rank), crossing nodes
-                  2(n-1)·α_e + 2(n-1)/n·S·max(1/(k·β_e), (k-1)/(k·β_i))
+                  2(m-1)·α_e + 2(n-m)·α_i + 2(n-1)/n·S·max(1/(k·β_e), (k-1)/(k·β_i))
+                  (the latency as NCCL's tuning model counts it: α_e on the steps that
+                  cross nodes only)
     hierarchical  reduce_scatter intra + all_reduce of S/k inter + all_gather intra
                   (`tiers.hierarchical_all_reduce`)
                   2(k-1)·(α_i + S/(k·β_i)) + 2(m-1)·(α_e + S/(k·m·β_e))

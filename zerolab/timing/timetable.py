@@ -50,8 +50,9 @@ def network_lines(world_size: int, link: Link | Topology) -> list[str]:
                f"so a node's ring bytes leave through its {c} NIC{'s' if c > 1 else ''}")
         lines.append(f"  every stage's collectives are flat over all N = {n} ranks through {nodes} "
                      f"nodes: NCCL runs one ring per NIC, {how}; the ring runs at {flat.name}, "
-                     f"{flat.bandwidth / 1e9:.4g} GB/s (2(n-1)·α + 2(n-1)/n·S·max(1/(k·β_nic), "
-                     "(k-1)/(k·β_intra)) for an all_reduce with a NIC per GPU); 'hierarchical' "
+                     f"{flat.bandwidth / 1e9:.4g} GB/s (2(m-1)·α_inter + 2(n-m)·α_intra "
+                     "+ 2(n-1)/n·S·max(1/(k·β_nic), (k-1)/(k·β_intra)) for an all_reduce on m "
+                     "nodes with a NIC per GPU); 'hierarchical' "
                      "all_reduces reduce_scatter intra, all_reduce S/k inter, all_gather intra")
     else:
         lines.append(f"  all N = {n} ranks fit in one node: every collective pays intra")
