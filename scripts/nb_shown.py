@@ -14,11 +14,13 @@ makes those outputs without executing the notebook, so they are the same on ever
     that fails to import is skipped), then the cell's own statements up to its last show or
     display, with IPython's `display` captured (IPython's DisplayFormatter gives the same
     text/markdown and text/plain data as a kernel). Statements after the last one (a cell that
-    goes on to read a run) are not executed. The diff cells are recomputed the same way: their
+    goes on to read a run) are not executed, and a cell that would launch ranks
+    (`nb.launch...`) before its show is refused. The diff cells are recomputed the same way: their
     source reads the two package files and displays the diff as Markdown, labelled with relative
     paths (`zerolab/zero1.py`);
   - kept: display outputs' text/markdown and text/plain only, in nbformat's list-of-lines form;
-    an output naming an absolute path of this checkout, or a memory address (0x...), is refused.
+    an output naming an absolute path (this checkout, the interpreter's prefix, site-packages,
+    the home folder) or a memory address (0x...) is refused.
 
 The package is imported from this checkout (the script's parent folder), not from wherever pip
 installed it, so the outputs show the code next to the notebooks. Cells are matched by their
@@ -31,7 +33,9 @@ shows code loses the tag and its outputs. Other cells and the notebook's format 
 `--check` changes nothing and exits 1 naming each cell that is untagged, or whose committed output
 differs from what the package's code shows now, or that cannot be recomputed without running the
 notebook (a show of a name only the kernel's state holds). nbval does not compare these cells
-(unless a cell is also tagged `nbval-check-output`): this check is the authority.
+(unless a cell is also tagged `nbval-check-output`, as some of notebooks 08 and 13 are: a kernel's
+data equals this script's byte for byte): this check is the authority. It takes about 8 s for the
+whole course on 2 busy cores, most of it importing torch.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ import nb_policy  # noqa: E402
 TAG = nb_policy.SHOWN_TAG
 DIFF_CALLS = {"unified_diff", "context_diff", "ndiff"}
 DISPLAY_CALLS = {"display"}
+LAUNCH_CALLS = {"launch", "launch_module", "launch_demo"}     # zerolab.nb's: they start ranks
 KEPT_MIME = ("text/markdown", "text/plain")
 ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
 # where this machine keeps things: a listing naming one is machine-specific
@@ -143,6 +148,9 @@ def recompute(import_lines: list[ast.stmt], source: str) -> list[dict]:
     tree = _parse(source)
     body = tree.body
     last = max(i for i, stmt in enumerate(body) if _shows(stmt) or _called(stmt) & DISPLAY_CALLS)
+    launches = set().union(*map(_called, body[:last + 1])) & LAUNCH_CALLS
+    if launches:
+        raise NotRecomputable(f"it calls {', '.join(sorted(launches))} before its last show")
     namespace: dict = {"__name__": "__shown__"}
     with _captured_display() as capture:
         for stmt in import_lines:
@@ -151,7 +159,8 @@ def recompute(import_lines: list[ast.stmt], source: str) -> list[dict]:
             except ImportError:             # (a helper of the repo that is not importable here)
                 pass
         try:
-            exec(compile(ast.Module(body[:last + 1], []), "<cell>", "exec"), namespace)  # noqa: S102
+            cell = compile(ast.Module(body[:last + 1], []), "<cell>", "exec")
+            exec(cell, namespace)           # noqa: S102 - the cell's statements up to its show
         except Exception as err:  # noqa: BLE001 - any failure means: not recomputable alone
             hint = "; show a name the notebook imports" if isinstance(err, NameError) else ""
             raise NotRecomputable(f"{type(err).__name__}: {err}{hint}") from None

@@ -41,9 +41,16 @@ def _markdown(cell) -> list[str]:
             if o.get("output_type") == "display_data" and "text/markdown" in o.get("data", {})]
 
 
-def _nb_shown(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+def _nb_shown(*args, capsys=None) -> subprocess.CompletedProcess:
+    """The script on `args`: in this process (its main and its printed lines) when given capsys,
+    else as CI runs it, a process of its own."""
+    if capsys is None:
+        return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
+                              text=True, cwd=ROOT, timeout=300)
+    capsys.readouterr()
+    rc = nb_shown.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out.out, out.err)
 
 
 def test_every_shown_cell_of_the_course_is_tagged_and_shows_its_code():
@@ -86,7 +93,7 @@ def _cells_showing(nb, text):
             and text in "".join(c["source"])]
 
 
-def test_a_stale_listing_fails_the_check_and_write_repairs_it(copy05):
+def test_a_stale_listing_fails_the_check_and_write_repairs_it(copy05, capsys):
     nb = json.loads(copy05.read_text())
     committed = copy.deepcopy(nb)
     diff_cell = _cells_showing(nb, "unified_diff(")[0]
@@ -101,12 +108,12 @@ def test_a_stale_listing_fails_the_check_and_write_repairs_it(copy05):
     assert f"cell {show_cell}: its committed output differs" in run.stdout
     assert f"cell {diff_cell}: its committed output differs" in run.stdout
     assert "run python scripts/nb_shown.py --write" in run.stdout
-    assert _nb_shown("--write", copy05).returncode == 0
+    assert _nb_shown("--write", copy05, capsys=capsys).returncode == 0
     assert json.loads(copy05.read_text()) == committed
-    assert _nb_shown("--check", copy05).returncode == 0
+    assert _nb_shown("--check", copy05, capsys=capsys).returncode == 0
 
 
-def test_a_new_or_moved_shown_cell_is_tagged_and_filled_by_write(copy05):
+def test_a_new_or_moved_shown_cell_is_tagged_and_filled_by_write(copy05, capsys):
     nb = json.loads(copy05.read_text())
     new = {"cell_type": "code", "execution_count": None, "id": "new0", "metadata": {},
            "outputs": [], "source": ["nb.show(Strategy.own)"]}
@@ -114,23 +121,23 @@ def test_a_new_or_moved_shown_cell_is_tagged_and_filled_by_write(copy05):
                            "source": ["A cell that moves every cell below it."]})
     nb["cells"].insert(8, new)              # after the cell that imports Strategy
     copy05.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-    run = _nb_shown("--check", copy05)
+    run = _nb_shown("--check", copy05, capsys=capsys)
     assert run.returncode == 1 and "cell 8: shows code but is not tagged shown-code" in run.stdout
-    assert _nb_shown("--write", copy05).returncode == 0
-    assert _nb_shown("--check", copy05).returncode == 0
+    assert _nb_shown("--write", copy05, capsys=capsys).returncode == 0
+    assert _nb_shown("--check", copy05, capsys=capsys).returncode == 0
     written = json.loads(copy05.read_text())
     assert TAG in written["cells"][8]["metadata"]["tags"]
     assert _markdown(written["cells"][8])[0].startswith("`zerolab/strategy.py`, line ")
     assert nb_policy.clean(written) == written      # what --write made follows the policy
 
 
-def test_a_show_of_a_kernel_only_name_is_refused(copy05):
+def test_a_show_of_a_kernel_only_name_is_refused(copy05, capsys):
     nb = json.loads(copy05.read_text())
     nb["cells"].append({"cell_type": "code", "execution_count": None, "id": "kern", "metadata": {},
                         "outputs": [], "source": ["nb.show(type(strategy).update)"]})
     copy05.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
     for mode in ("--check", "--write"):
-        run = _nb_shown(mode, copy05)
+        run = _nb_shown(mode, copy05, capsys=capsys)
         assert run.returncode == 1 and f"cell {len(nb['cells']) - 1}: its shown code cannot be " \
             "made without running the notebook (NameError" in run.stdout, run.stdout
 
