@@ -33,7 +33,7 @@ def show(obj, *, lines: tuple[int, int] | None = None):
     if lines:
         source = source[lines[0]:lines[1]]
         start += lines[0]
-    path = inspect.getsourcefile(obj)
+    path = inspect.getsourcefile(inspect.unwrap(obj))  # a decorated method's file, not torch's
     short = path[path.rfind("zerolab/"):] if "zerolab/" in path else path
     display(Markdown(f"`{short}`, line {start}:\n\n```python\n{''.join(source).rstrip()}\n```"))
 
