@@ -1,7 +1,7 @@
 """The cost model against numbers derived by hand (in the comments) from the α-β ring formulas.
 
 Sources: nccl-tests PERFORMANCE.md (ring bytes 2(n-1)/n and (n-1)/n), scaling-book (α-β model),
-NVIDIA/nccl#457 (a tree all_reduce sends 2S per rank), PaLM appendix B (6Ψ + 12·L·d·T FLOPs per
+NVIDIA/nccl#457 (a tree all_reduce sends 2S per rank), PaLM appendix B (6Ψ + 12·L·d·s FLOPs per
 token, checked here against torch's FlopCounterMode), NVIDIA datasheets for the profiles.
 """
 from __future__ import annotations
@@ -72,9 +72,9 @@ def test_bad_mfu_is_refused_naming_the_range(bad):
 
 
 def test_attention_flops_match_torchs_flop_counter():
-    """6Ψ + 12·L·d·T per token against torch's FlopCounterMode on the course's GPT (math SDPA, so
+    """6Ψ + 12·L·d·s per token against torch's FlopCounterMode on the course's GPT (math SDPA, so
     that QKᵀ and AV are counted matmuls): the Linear weights' matmuls are 6 FLOPs per weight per
-    token (forward, grad of input, grad of weight), the rest is attention: 12·L·d·T exactly."""
+    token (forward, grad of input, grad of weight), the rest is attention: 12·L·d·s exactly."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -91,7 +91,7 @@ def test_attention_flops_match_torchs_flop_counter():
                               seq_len=cfg.block_size)
     assert ours == per_token
     assert ours - 6 * weights == 12 * 4 * 64 * 64
-    # forward alone is a third: 2Ψ + 4·L·d·T
+    # forward alone is a third: 2Ψ + 4·L·d·s
     assert cm.flops_per_token(weights, n_layer=4, d_model=64, seq_len=64, passes="fwd") == (
         2 * weights + 4 * 4 * 64 * 64)
 
@@ -199,7 +199,7 @@ def test_comm_bound_threshold_is_where_gather_equals_compute():
         63 / 64 * 989e12 / 50e9)
     assert cm.zero3_comm_bound_tokens(psi_b, n, no_alpha, dev) == pytest.approx(
         0.4 * 63 / 64 * 989e12 / 50e9)
-    # attention adds 4·d·T forward FLOPs per token to the block's 2Ψ_b: T* falls by that ratio
+    # attention adds 4·d·s forward FLOPs per token to the block's 2Ψ_u: T* falls by that ratio
     with_attn = cm.zero3_comm_bound_tokens(psi_b, n, no_alpha, dev, d_model=4096, seq_len=2048)
     assert with_attn == pytest.approx(0.4 * 63 / 64 * 989e12 / 50e9 * 2 * psi_b
                                       / (2 * psi_b + 4 * 4096 * 2048))
@@ -228,15 +228,15 @@ def test_cli_time_prints_stages_and_threshold():
     # at peak, 6Ψ only: 63/64 · 989e12/50e9 = 19,472 plus 63 · 5 us · 989e12 / (2 · 7.5e9/32)
     # = 665: 20,136
     assert "ZeRO-3 +prefetch" in out.stdout and "T* = 20,136 tokens" in out.stdout
-    # the defaults: MFU 0.4 and attention at T = 2048, d = 4416 (Ψ ≈ 12·L·d², L = 32): the
-    # gather (20,136 · 2Ψ_b / F at peak) over (2Ψ_b + 4·d·T) FLOPs per token at 0.4 F
+    # the defaults: MFU 0.4 and attention at s = 2048, d = 4416 (Ψ ≈ 12·L·d², L = 32): the
+    # gather (20,136 · 2Ψ_u / F at peak) over (2Ψ_u + 4·d·s) FLOPs per token at 0.4 F
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     block = 7.5e9 / 32
     t_star = 20_136.4 * 2 * block * 0.4 / (2 * block + 4 * 4416 * 2048)
     assert f"T* = {t_star:,.0f} tokens" in out.stdout, out.stdout
     assert "MFU 0.4" in out.stdout and "Llama 3" in out.stdout
     share = 12 * 32 * 4416 * 2048 / (6 * 7.5e9 + 12 * 32 * 4416 * 2048)
-    assert f"attention's 12·L·d·T is {share:.1%}" in out.stdout
+    assert f"attention's 12·L·d·s is {share:.1%}" in out.stdout
     assert "collectives: ring" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "zerolab", "time", "--link", "wifi"],
                          capture_output=True, text=True, timeout=60)

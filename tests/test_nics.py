@@ -227,7 +227,7 @@ def test_the_ledger_settles_hybrid_shardings_cross_host_bytes():
 # --- the figures the course shows ------------------------------------------------------------------
 def _compute_ms() -> float:
     """7.5B in 32 layers of width 4416, 4096 tokens per rank in sequences of 2048, H100 at MFU
-    0.4: (6Ψ + 12·L·d·T)·tokens / (989e12·0.4)."""
+    0.4: (6Ψ + 12·L·d·s)·tokens / (989e12·0.4)."""
     return (6 * 7.5e9 + 12 * 32 * 4416 * 2048) * 4096 / (989e12 * 0.4) * 1e3
 
 

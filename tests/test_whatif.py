@@ -84,7 +84,7 @@ def test_step_times_count_attention_and_mfu(reports_1b):
     ddp = reports_1b[0]
     dev, link = DEVICES["h100"], LINKS["ib-ndr"]
     assert ddp["shape"] == {"n_layer": 24, "d_model": 2048, "seq_len": 1024}
-    # by hand: (6Ψ + 12·L·d·T) FLOPs per token, 4096 tokens, at 989e12 x 0.4 FLOP/s
+    # by hand: (6Ψ + 12·L·d·s) FLOPs per token, 4096 tokens, at 989e12 x 0.4 FLOP/s
     flops = (6 * ddp["num_params"] + 12 * 24 * 2048 * 1024) * 4096
     for mfu in (0.4, 1.0):
         t = whatif.step_times(ddp, link, dev, 4096, mfu=mfu)
@@ -99,7 +99,7 @@ def test_format_whatif_says_what_peak_mfu_and_algorithm_are(reports_1b):
     text = whatif.format_whatif(reports_1b, LINKS["ib-ndr"], DEVICES["h100"], 4096)
     assert "peak: the largest total the memory meter saw during the step" in text
     assert "fp32 gradient copies" in text and "activations are not counted" in text
-    assert "MFU 0.4" in text and "12·L·d·T" in text and "L = 24, d = 2048, T = 1024" in text
+    assert "MFU 0.4" in text and "12·L·d·s" in text and "L = 24, d = 2048, s = 1024" in text
     assert "collectives: ring. At N = 1024" in text
     with pytest.raises(ValueError, match="mfu 2 is not in"):
         whatif.format_whatif(reports_1b, LINKS["ib-ndr"], DEVICES["h100"], 4096, mfu=2)

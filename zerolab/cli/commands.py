@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--device-tflops", type=positive_number, default=None, help="custom peak, TFLOP/s")
     _formula(tm, "mfu")
     tm.add_argument("--d-model", type=int, default=None, help=(
-        "width d of each block for attention's 12·L·d·T FLOPs per token (default: from "
+        "width d of each block for attention's 12·L·d·s FLOPs per token (default: from "
         "Ψ ≈ 12·L·d², L = --blocks)"))
     tm.add_argument("--seq-len", type=number, default=2048, help=(
         "tokens per sequence T for attention's FLOPs, at most --tokens-per-rank; 0: the 6Ψ rule "
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "also distributed Muon's three layouts (bytes, FLOPs of the orthogonalisation, memory, "
         "optimizer time) for a GPT of --blocks blocks of width --d-model (course/muontable.py)"))
     tm.description = ("Step time of DDP and ZeRO-1/2/3 from the α-β cost model: compute (6Ψ + "
-                      "12·L·d·T) FLOPs per token at peak x MFU, collectives on one in-order link "
+                      "12·L·d·s) FLOPs per token at peak x MFU, collectives on one in-order link "
                       "(or two tiers: --ranks-per-node K --intra SPEC --inter SPEC [--nics-per-node C]).")
 
     wi = command("whatif", "one rank of a large world on a fake process group (timing/whatif.py)")

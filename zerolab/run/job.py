@@ -263,7 +263,7 @@ def estimate_seconds(cfg, *, steps: int, stages: int, batch_size: int, nproc: in
                      precision: str = "bf16", flops_per_core: float | None = None,
                      cores: int | None = None) -> dict:
     """What a CPU run will cost, from the cost model's FLOPs (`timing.flops.flops_per_token`:
-    6Ψ + 12·L·d·T per token, batch_size x block_size tokens a step, all ranks together) over the
+    6Ψ + 12·L·d·s per token, batch_size x block_size tokens a step, all ranks together) over the
     cores the ranks share (at most one each) at `flops_per_core` x STEP_EFFICIENCY (default:
     `core_flops(precision)`, measured now), plus STEP_OVERHEAD a step, PER_STAGE a stage, and
     START plus START_PER_RANK per rank beyond the cores. Measured against it (2 cores): gpt2,

@@ -2,7 +2,7 @@
 
     hardware    links (β bytes/s, α s per ring step) and devices (FLOP/s), with their sources;
                 two tiers (Topology: nodes of k ranks, an intra and an inter link)
-    flops       FLOPs per token (6Ψ + 12·L·d·T, attention included) and compute time at F · MFU
+    flops       FLOPs per token (6Ψ + 12·L·d·s, attention included) and compute time at F · MFU
     collectives one collective's α-β time: rings (and tree) on one link, or on two tiers (flat /
                 hierarchical, bytes per tier, per-tier clocks)
     costmodel   a step replayed per stage on either network; collectives and flops re-exported

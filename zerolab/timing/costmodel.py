@@ -24,7 +24,7 @@ tree is a chain inside each node and a tree across nodes -, and a hierarchical a
 each tier for its own part - the formulas are in `collectives.py` (with the one-tier ones above,
 re-exported here); `step_time` replays a step on either network.
 
-Compute (`flops.py`, re-exported here): (6Ψ + 12·L·d·T) FLOPs per token, attention included,
+Compute (`flops.py`, re-exported here): (6Ψ + 12·L·d·s) FLOPs per token, attention included,
 over the FLOP/s training really reaches, the device's peak x MFU (default 0.4, what large runs
 report; 1.0 is the datasheet peak, which no run reaches). A step is then replayed as
 zerolab's strategies issue it (`step_time`): the schedule - every compute, collective and wait,
@@ -37,9 +37,9 @@ overlap" lets a bucket's gradient collective run during the rest of backward and
 with prefetch, the next block's all_gather during the current block.
 
 ZeRO-3 becomes communication-bound when a block's all_gather takes longer than its forward
-compute: (n-1)/n·2Ψ_b/β  >  2Ψ_b·T/(F·MFU), i.e. below T* = (n-1)/n · F·MFU/β tokens per rank
+compute: (n-1)/n·2Ψ_u/β  >  2Ψ_u·T/(F·MFU), i.e. below T* = (n-1)/n · F·MFU/β tokens per rank
 (bf16 params; the 2 bytes per parameter cancel the 2 FLOPs per parameter), plus
-(n-1)·α·F·MFU/(2Ψ_b) for latency (on two tiers (m-1)·α_inter + (n-m)·α_intra in place of
+(n-1)·α·F·MFU/(2Ψ_u) for latency (on two tiers (m-1)·α_inter + (n-m)·α_intra in place of
 (n-1)·α, `ring_latency`; `zero3_comm_bound_tokens`; attention's FLOPs, when the shape is
 given, add compute and lower T*). Backward moves twice the bytes (all_gather + reduce_scatter)
 for twice the FLOPs: the same T*.
@@ -96,7 +96,7 @@ MAX_BLOCKS = 10_000      # a transformer has tens to hundreds; the replay costs 
 def uniform_units(psi: float, n_blocks: int, tokens: float, device: Device, mfu: float = MFU,
                   *, d_model: int = 0, seq_len: float = 0) -> list[Unit]:
     """Ψ split into `n_blocks` equal blocks (no root), each one transformer layer with its forward
-    (2Ψ_b + 4·d·T)·tokens and backward twice that, at F · MFU (attention only with d_model and
+    (2Ψ_u + 4·d·s)·tokens and backward twice that, at F · MFU (attention only with d_model and
     seq_len). ValueError unless 1 <= n_blocks <= min(Ψ, MAX_BLOCKS)."""
     if not 1 <= n_blocks <= min(psi, MAX_BLOCKS):
         raise ValueError(f"blocks {n_blocks!r} must be between 1 and {min(int(psi), MAX_BLOCKS):,} "
@@ -312,9 +312,9 @@ def zero3_comm_bound_tokens(block_params: float, world_size: int, link: Link | T
                             seq_len: float = 0) -> float:
     """Tokens per rank T* below which a ZeRO-3 block's all_gather outlasts its forward compute.
 
-    all_gather(Ψ_b) = (n-1)α + (n-1)/n · w·Ψ_b/β  (w = 2 bytes in bf16) equals
-    (2Ψ_b + 4·d·T_seq)·T / (F·MFU) at
-    T* = all_gather · F·MFU / (2Ψ_b + 4·d·T_seq)  =  (n-1)/n · F·MFU/β  (bf16, α = 0, no attention)
+    all_gather(Ψ_u) = (n-1)α + (n-1)/n · w·Ψ_u/β  (w = 2 bytes in bf16) equals
+    (2Ψ_u + 4·d·s)·T / (F·MFU) at
+    T* = all_gather · F·MFU / (2Ψ_u + 4·d·s)  =  (n-1)/n · F·MFU/β  (bf16, α = 0, no attention)
     + latency. The attention term (the block is one layer of width d_model, sequences of seq_len
     tokens) adds compute and lowers T*. Returns T* in tokens (0 for n = 1). Source: the module
     docstring; scaling-book's "when is FSDP communication-bound" uses the same ratio of FLOP/s to

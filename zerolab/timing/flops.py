@@ -1,10 +1,10 @@
 """Compute time: the FLOPs of a training step and the fraction of the device's peak it reaches.
 
 Idea: a token through a dense transformer costs 2Ψ FLOPs forward (one multiply-add per weight)
-plus 4·L·d·T for attention (in each of L layers, the scores QKᵀ and the weighted sum AV, T·d
-multiply-adds per token each: T the sequence length, d the width), and twice that backward:
+plus 4·L·d·s for attention (in each of L layers, the scores QKᵀ and the weighted sum AV, s·d
+multiply-adds per token each: s the sequence length, d the width), and twice that backward:
 
-    FLOPs per token = 6Ψ + 12·L·d·T          (PaLM, Chowdhery et al. 2022, appendix B)
+    FLOPs per token = 6Ψ + 12·L·d·s          (PaLM, Chowdhery et al. 2022, appendix B)
 
 the count MFU (model FLOPs utilization) is defined with. Compute time is those FLOPs over the
 FLOP/s training really reaches, F · MFU, with F the datasheet peak (`hardware.py`). MFU defaults to
@@ -21,7 +21,7 @@ import numbers
 
 from .hardware import Device
 
-# Model FLOPs utilization: the FLOPs of 6Ψ + 12·L·d·T per token a training run gets through per
+# Model FLOPs utilization: the FLOPs of 6Ψ + 12·L·d·s per token a training run gets through per
 # second, as a fraction of the device's datasheet peak. 0.4 is what large dense runs report:
 MFU = 0.4
 MFU_SOURCE = ("Llama 3 (Dubey et al. 2024, table 4): BF16 MFU 38-43 % on 8,192-16,384 H100s; "
@@ -41,12 +41,12 @@ PASSES = {"fwd": 1, "bwd": 2, "fwd+bwd": 3}     # multiples of the forward's FLO
 
 def flops_per_token(psi: float, *, n_layer: int = 0, d_model: int = 0, seq_len: float = 0,
                     passes: str = "fwd+bwd") -> float:
-    """Training FLOPs per token through Ψ parameters: forward 2Ψ + 4·L·d·T, backward twice that.
+    """Training FLOPs per token through Ψ parameters: forward 2Ψ + 4·L·d·s, backward twice that.
 
-    2Ψ: one multiply-add per weight. 4·L·d·T: in each of the L layers, the attention scores QKᵀ
-    and the weighted sum AV, each T·d multiply-adds per token (all heads together: d = n_head ·
-    d_head) - FLOPs that no weight accounts for and that grow with the sequence length T. In all
-    6Ψ + 12·L·d·T, the count PaLM (Chowdhery et al. 2022, appendix B) defines MFU with
+    2Ψ: one multiply-add per weight. 4·L·d·s: in each of the L layers, the attention scores QKᵀ
+    and the weighted sum AV, each s·d multiply-adds per token (all heads together: d = n_head ·
+    d_head) - FLOPs that no weight accounts for and that grow with the sequence length s. In all
+    6Ψ + 12·L·d·s, the count PaLM (Chowdhery et al. 2022, appendix B) defines MFU with
     (torchtitan counts the same); the causal mask's skipped half is not subtracted. Kaplan et al.
     2020 (table 1) write the forward attention term as 2·n_layer·n_ctx·d_attn, half of this;
     Chinchilla (Hoffmann et al. 2022, appendix F) counts both matmuls, as here. Without a shape
@@ -62,7 +62,7 @@ def compute_time(psi: float, tokens: float, device: Device, *, passes: str = "fw
                  mfu: float = MFU, n_layer: int = 0, d_model: int = 0, seq_len: float = 0) -> float:
     """Seconds of compute for `tokens` tokens through Ψ parameters: FLOPs / (F · MFU).
 
-    FLOPs per token from `flops_per_token` (6Ψ, plus 12·L·d·T when the shape is given; passes:
+    FLOPs per token from `flops_per_token` (6Ψ, plus 12·L·d·s when the shape is given; passes:
     "fwd", "bwd" or "fwd+bwd"). mfu: the fraction of the device's peak reached, (0, 1]
     (default `MFU` = 0.4; 1.0 is the datasheet peak). ValueError otherwise.
     """

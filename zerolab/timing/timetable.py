@@ -98,7 +98,7 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
     attn = 12 * n_blocks * d * seq
     share = attn / (6 * psi + attn)
     given = "given" if d_model is not None else "from Ψ ≈ 12·L·d²"
-    seqs = ("attention not counted (T = 0)" if not seq else f"in sequences of T = {seq:g}"
+    seqs = ("attention not counted (s = 0)" if not seq else f"in sequences of s = {seq:g}"
             + (" (capped at the tokens per rank)" if seq < seq_len else ""))
     lines = [f"Ψ = {psi:.4g} parameters in {n_blocks} equal blocks (one layer each, width d = {d:,} "
              f"{given}), N = {world_size} ranks, {tokens_per_rank:g} tokens per rank per step "
@@ -107,7 +107,7 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
              f"device {device.name}: {device.flops / 1e12:.4g} TFLOP/s peak x MFU {mfu:g} = "
              f"{device.flops * mfu / 1e12:.4g} TFLOP/s reached",
              f"  source: {device.source}; MFU {costmodel.MFU:g} (the default) from {costmodel.MFU_SOURCE}",
-             f"compute: 6Ψ + 12·L·d·T FLOPs per token (PaLM appendix B); attention's 12·L·d·T is "
+             f"compute: 6Ψ + 12·L·d·s FLOPs per token (PaLM appendix B); attention's 12·L·d·s is "
              f"{share:.1%} of them",
              costmodel.latency_note(world_size, link, algorithm), "",
              f"{'stage':<24}{'compute':>10}{'comm':>10}{'no overlap':>12}{'overlap':>10}"
@@ -144,7 +144,7 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
     lines += ["", "times in ms per optimizer step; 'exposed' = overlap - compute (comm not hidden)",
               f"ZeRO-3 threshold: a block's all_gather equals its forward compute at T* = "
               f"{t_star:,.0f} tokens per rank; at {tokens_per_rank:g} tokens per rank ZeRO-3 is {bound}",
-              f"  T* = all_gather x F·MFU / ((2Ψ_b + 4·d·T) FLOPs per token); its bandwidth part "
+              f"  T* = all_gather x F·MFU / ((2Ψ_u + 4·d·s) FLOPs per token); its bandwidth part "
               f"without attention, (n-1)/n · (w/2) · F·MFU/β = {bw_term:,.0f} (w = {w} bytes per param, "
               f"β = {flat.bandwidth / 1e9:.4g} GB/s, {flat.name})",
               f"  T* at MFU {by_mfu} tokens per rank (T* grows with MFU: faster compute needs more "

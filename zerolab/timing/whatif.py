@@ -235,8 +235,8 @@ def format_whatif(reports: list[dict], link, device, tokens_per_rank, precision=
         lines.append(f"{r['name']:<8}" + "".join(f"{c:>22}" for c in cells)
                      + f"{r['peak_total'] / gb:>10.4g}")
     lines += textwrap.wrap(PEAK_NOTE, 110)
-    attn = (f"6Ψ + 12·L·d·T FLOPs per token (L = {shape['n_layer']}, d = {shape['d_model']}, "
-            f"T = {min(shape['seq_len'], tokens_per_rank):g})" if shape else "6Ψ FLOPs per token")
+    attn = (f"6Ψ + 12·L·d·s FLOPs per token (L = {shape['n_layer']}, d = {shape['d_model']}, "
+            f"s = {min(shape['seq_len'], tokens_per_rank):g})" if shape else "6Ψ FLOPs per token")
     lines += ["", f"bytes per step from the ledger (formula), GB; time from the cost model: "
               f"{tokens_per_rank:g} tokens/rank, {device.name} at MFU {mfu:g} ({attn}), "
               + (f"link {link.name}, ms" if not two else
