@@ -374,17 +374,14 @@ def memory_table(psi: float, world_size: int, precision: str = "bf16",
 def format_memory_table(psi: float, world_size: int, precision: str = "bf16",
                         optimizer_bytes: float | None = None, unit: float = 1e9,
                         grad_dtype: str | None = None) -> str:
-    """The memory table as text (GB = 1e9 bytes, as in the ZeRO paper; psi=1, unit=1: bytes per
-    parameter)."""
+    """The memory table as text (GB = 1e9 bytes, as the ZeRO paper; psi=1, unit=1: per parameter)."""
     head = f"{'stage':<8}" + "".join(f"{s:>16}" for s in (*STATES, "total")) + f"{'bytes/param':>13}"
     dtype = f", {grad_dtype} grads" if grad_dtype else ""
     units = "GB" if unit == 1e9 else "bytes" if unit == 1 else f"units of {unit:g} bytes"
-    if psi == 1 and unit == 1:          # the table per parameter: each figure is a multiple of Ψ
-        title = (f"N = {world_size} ranks, {precision}{dtype}; per-rank model states in bytes per "
-                 "parameter")
-    else:
-        title = (f"Ψ = {psi:.4g} parameters, N = {world_size} ranks, {precision}{dtype}; per-rank "
-                 f"model states in {units}")
+    title = (f"N = {world_size} ranks, {precision}{dtype}; per-rank model states in bytes per parameter"
+             if psi == 1 and unit == 1 else            # the table per parameter: multiples of Ψ
+             f"Ψ = {psi:.4g} parameters, N = {world_size} ranks, {precision}{dtype}; per-rank model "
+             f"states in {units}")
     lines = [title, head]
     for row in memory_table(psi, world_size, precision, optimizer_bytes, grad_dtype):
         lines.append(f"{row['name']:<8}" + "".join(f"{row[s] / unit:>16.4g}" for s in (*STATES, "total"))
