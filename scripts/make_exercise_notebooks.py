@@ -100,7 +100,7 @@ MORE = {
                          "prefetch (how many blocks are gathered ahead). In zerolab they are a "
                          "strategy's bucket_mb, and ZeRO-3's prefetch depth. The depth is one "
                          "block in zero3.py, which _ahead reads. A variant beside the stage, "
-                         "zerolab/prefetch.py, sets other depths. In zerolab, DDP fills its "
+                         "zerolab/variants/prefetch.py, sets other depths. In zerolab, DDP fills its "
                          "buckets in forward order (block 0 first). In torch, DDP fills them in "
                          "reverse registration order, its first bucket capped at 1 MiB. Predict what each "
                          "does, then let the check measure it.",
@@ -139,7 +139,7 @@ MORE = {
                      "loss.backward(). Then, over an emulated link with a model whose blocks "
                      "sleep in backward, it measures how much communication your overlap "
                      "leaves exposed.",
-                     ["zerolab.ddp.DDP._grads_ready", "zerolab.hooks.GradReady"]),
+                     ["zerolab.ddp.DDP._grads_ready", "zerolab.loop.hooks.GradReady"]),
     "strategy_zero1": ("j_strategy_zero1", "`notebooks/05_zero1.ipynb` and exercise (c)", 45,
                        ["zerolab.course.exercises.track._correctness"],
                        "The optional track, second class: a sharded AdamW (ZeRO-1). Each rank "
@@ -154,7 +154,7 @@ MORE = {
                        ["zerolab.zero1.ZeRO1.update", "zerolab.zero1.ZeRO1.publish",
                         "zerolab.zero1.publish_update"]),
     "owner_assignment": ("k_owner_assignment", "`notebooks/08b_whole_matrix.ipynb` (sections 1 "
-                         "and 3)", 15, ["zerolab.muon_owner.MuonOwner.hold"],
+                         "and 3)", 15, ["zerolab.wholematrix.muon_owner.MuonOwner.hold"],
                          "Muon orthogonalises each weight matrix whole, so a sharded Muon cannot "
                          "step ZeRO's flat 1/N ranges. The owner layout gives every parameter to "
                          "one rank, which keeps its state and steps it whole. Which rank is the "
@@ -171,7 +171,7 @@ MORE = {
                          "zerolab's answer (which the tests hold to torch's "
                          "ZeroRedundancyOptimizer). A wrong answer names the first case, the "
                          "owners and loads, and the rule you wrote when it recognises it.",
-                         ["zerolab.muon_theory.assign_owners"]),
+                         ["zerolab.wholematrix.muon_theory.assign_owners"]),
 }
 
 

@@ -50,7 +50,7 @@ def _worker(rank, n):
     import torch.distributed as dist
 
 
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.memory import MemoryMeter
     from zerolab.zero2 import ZeRO2

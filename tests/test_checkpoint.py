@@ -433,7 +433,7 @@ def _train_steps(strategy, model, job, rank, n, start, stop):
 
 
 def _strategy(stage, model, job, **kwargs):
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.course.testing import LR, WD
     return make_strategy(stage, model, Comm(), max_grad_norm=job["max_norm"], lr=LR, weight_decay=WD,

@@ -1,4 +1,4 @@
-"""A stage with its variants: zerolab.compose builds the class each option asks for, the strategy
+"""A stage with its variants: zerolab.variants.compose builds the class each option asks for, the strategy
 says what it is (`strategy.options`, which the run's result JSON reads), and an option a stage
 has no variant for is refused in one line before anything is built.
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import make_model
-from zerolab import STRATEGIES, compose, offload, placement, prefetch, quant, zero1rs
+from zerolab import STRATEGIES
+from zerolab.variants import compose, offload, placement, prefetch, quant, zero1rs
 
 ONE_RANK = types.SimpleNamespace(world_size=1, rank=0)     # no collective at setup
 
@@ -45,8 +46,8 @@ def test_each_option_builds_its_variant_and_the_strategy_says_so(stage, opts, mi
     mro = type(s).__mro__                   # the composed class, then its mixins in order
     assert mro[1:1 + len(mixins)] == mixins if mixins else type(s) is cls
     assert isinstance(s, cls)
-    assert [c for c in type(s).__mro__ if c.__module__ == "zerolab.placement"
-            or c.__module__ == "zerolab.offload" or c.__module__ == "zerolab.prefetch"] == \
+    assert [c for c in type(s).__mro__ if c.__module__ == "zerolab.variants.placement"
+            or c.__module__ == "zerolab.variants.offload" or c.__module__ == "zerolab.variants.prefetch"] == \
         list(mixins)
     got = s.options
     assert got["name"] == STRATEGIES[stage].name

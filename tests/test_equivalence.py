@@ -27,7 +27,7 @@ def train_worker(rank, n, jobs):
     import torch.distributed as dist
 
 
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from zerolab.comm import Comm
 
     out = []

@@ -5,7 +5,7 @@ fully_shard, stepped by torch.optim.Adafactor - is refused on every rank before 
 changes anything (and, with the check bypassed, shown to be what the check prevents: a result
 far from single-process torch); so are Muon, a made-up LAMB-like subclass, a param-group list
 mixing shards with a replicated parameter, and an optimizer built before fully_shard.
-zerolab.torchlike.Adafactor (zerolab/factored.py) on the same MLP (7 output rows: uneven), on
+zerolab.torchlike.Adafactor (zerolab/wholematrix/factored.py) on the same MLP (7 output rows: uneven), on
 a model with a 3-D convolution weight and on the course's GPT equals single-process
 torch.optim.Adafactor on the whole batch (fp32, <= 1e-6), and its ledger carries exactly
 4 (2 P + Σ_2-D (C_i + 1)) bytes a step, the module's formula; over layout "flat" it is refused.
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import case_results, run_ranks
 
-from zerolab.factored import STATS, stats_bytes
+from zerolab.wholematrix.factored import STATS, stats_bytes
 from zerolab.model import GPT, get_config
 
 N, STEPS, TOL = 2, 3, 1e-6

@@ -26,7 +26,7 @@ BF16_ACCUM = dict(NANO, precision="bf16", grad_accum=2, rows_per_micro=1, lr=1e-
 
 
 def _strategy(stage, grad_op, model, comm, job, gather, **kw):
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     kwargs = dict(max_grad_norm=job["max_norm"], lr=job.get("lr", testing.LR),
                   weight_decay=testing.WD, find_unused_parameters=job.get("find_unused", False),
                   gather=gather, **kw)
@@ -192,7 +192,7 @@ def readers_worker(rank, n, folder):
     a new strategy that trains one more step; then `p.data = t` between a step and the next
     forward, a step, and close()."""
     from zerolab.comm import Comm
-    from zerolab.guards import ShardedValues
+    from zerolab.loop.guards import ShardedValues
     from zerolab.run import checkpoint
     out = {}
     for stage in (1, 2):
@@ -261,9 +261,9 @@ def test_readers_between_step_and_forward_get_full_weights_or_one_line(tmp_path)
 
 def test_unknown_gather_mode_is_refused():
     """A bad mode is one line naming the accepted ones; the lesson's classes take no variant's
-    option at all and say where it goes (zerolab.compose), before anything is built."""
+    option at all and say where it goes (zerolab.variants.compose), before anything is built."""
     from zerolab import ZeRO1, ZeRO2
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     for stage, cls in ((1, ZeRO1), (2, ZeRO2)):
         with pytest.raises(ValueError, match="before_forward"):
             make_strategy(stage, torch.nn.Linear(2, 2), None, gather="later")
@@ -278,7 +278,7 @@ def test_the_option_reaches_the_strategy_from_every_door():
     given to ZeRO-1 / ZeRO-2 by run/stage.py; its default is placement.DEFAULT_GATHER."""
     import types
 
-    from zerolab.placement import DEFAULT_GATHER
+    from zerolab.variants.placement import DEFAULT_GATHER
     from zerolab.run import options, stage
 
     assert options.parse("ranks", []).zero12_gather == DEFAULT_GATHER

@@ -1,5 +1,5 @@
-"""Hybrid sharding (zerolab.hybrid): HSDP and hpZ train like one process, and their ledgers and
-states are exactly the per-tier formulas of zerolab.tiers.
+"""Hybrid sharding (zerolab.variants.hybrid): HSDP and hpZ train like one process, and their ledgers and
+states are exactly the per-tier formulas of zerolab.variants.tiers.
 
 Independent references: single-process torch AdamW on the global batch
 (zerolab.course.testing.reference, torch alone) and the formulas written from FSDP's and ZeRO++'s
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import global_batch, make_model, run_ranks
-from zerolab import theory, tiers
+from zerolab import theory
+from zerolab.variants import tiers
 from zerolab.course import testing
 from zerolab.course.testing import LR, WD, max_param_diff, train_job
 
@@ -27,7 +28,7 @@ def worker(rank, n, jobs):
 
     from zerolab import ZeRO3
     from zerolab.comm import Comm
-    from zerolab.hybrid import make_hybrid
+    from zerolab.variants.hybrid import make_hybrid
     from zerolab.memory import MemoryMeter
 
     out = []
@@ -128,7 +129,7 @@ def test_states_and_secondary_shards_equal_the_formulas(runs):
 
 def refuse_worker(rank, n):
     from zerolab.comm import Comm
-    from zerolab.hybrid import HSDP, make_hybrid
+    from zerolab.variants.hybrid import HSDP, make_hybrid
 
     said = []
     for call in (lambda: HSDP(make_model("nano"), Comm(), ranks_per_node=2,

@@ -10,7 +10,7 @@ from conftest import global_batch, make_model, run_ranks
 
 from zerolab.comm import Comm
 from zerolab.memory import MemoryMeter
-from zerolab.compose import make_strategy
+from zerolab.variants.compose import make_strategy
 
 CONFIGS = [(0, False), (1, False), (2, False), (-1, False), (0, True)]
 

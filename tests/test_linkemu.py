@@ -26,7 +26,7 @@ import torch.nn as nn
 from conftest import run_ranks
 
 
-from zerolab.compose import make_strategy
+from zerolab.variants.compose import make_strategy
 from zerolab.timing import hardware
 from zerolab.timing import costmodel
 from zerolab.comm import Comm

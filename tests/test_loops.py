@@ -75,7 +75,7 @@ FOLLOWED = {"user_clip": ("max_grad_norm", "strategy_clip"),
 CLIP = 0.02
 # Not run here: rank_order on ZeRO-3. Its all_gathers must come in the same sequence on every
 # rank (FSDP2's rule too): a block called out of order needs a gather the other ranks do not
-# issue. ZeRO-3 stops every rank in one line within seconds (zerolab.order), but that leaves the
+# issue. ZeRO-3 stops every rank in one line within seconds (zerolab.loop.order), but that leaves the
 # group with a collective that never completes: tests/test_order.py runs it in a group of its own.
 NOT_RUN = {"rank_order": ZERO3}
 
@@ -169,7 +169,7 @@ def loop_worker(rank, n, loops):
     import torch.distributed as dist
 
 
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.model import GPT
 

@@ -75,7 +75,7 @@ def measure_worker(rank, n, model_name, precision, grad_accum, grad_dtype=None):
     """Per variant: this rank's units, Ψ, meter current/peak after the measured step, ledger bytes
     of that step (grads+params by theory's ops, and all kinds), the dispatch-mode bytes, the
     meter's peak inside the optimizer step and the allocator's (MemTracker) over the step."""
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from zerolab.comm import Comm
     from zerolab.memory import MemoryMeter
     from zerolab.model import num_params

@@ -1,9 +1,9 @@
-"""Distributed Muon's three layouts (zerolab/muon_owner.py, muon_a2a.py, muon_replicate.py) step
-like one process with torch's own optimizers, and move exactly the bytes of zerolab.muon_theory.
+"""Distributed Muon's three layouts (zerolab/wholematrix/muon_owner.py, muon_a2a.py, muon_replicate.py) step
+like one process with torch's own optimizers, and move exactly the bytes of zerolab.wholematrix.muon_theory.
 
 Independent references: single-process torch.optim.Muon (+ torch.optim.AdamW for embeddings,
 the head, norms and biases, as torch's Muon docs recommend), torch.optim.Adafactor and
-zerolab.lamb.Lamb, stepped with the average over ranks of the ranks' own gradients (each rank's
+zerolab.wholematrix.lamb.Lamb, stepped with the average over ranks of the ranks' own gradients (each rank's
 rows run through the same model in this process); torch's ZeroRedundancyOptimizer's own
 partition (owners); the byte formulas checked by hand below. Models: the course's GPT (nano) and
 a conv + MLP with tall, wide and odd-sized matrices (not the course's). 2 gloo ranks, one launch.
@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import case_results, global_batch, make_model, run_ranks
-from zerolab import muon_theory as mt
+from zerolab.wholematrix import muon_theory as mt
 
 STEPS, N = 3, 2
 MUON = dict(lr=0.02, weight_decay=0.1)
@@ -87,14 +87,14 @@ def drop_grads(model, model_name, step):
 
 
 def groups(model, opt):
-    from zerolab.wholeopt import muon_param_groups
+    from zerolab.wholematrix.wholeopt import muon_param_groups
     if opt == "muon":
         return muon_param_groups(model, muon=MUON, adamw=ADAMW)
     return [{"params": [p for p in model.parameters()], "use_muon": True}]
 
 
 def whole_class(opt):
-    from zerolab.lamb import Lamb
+    from zerolab.wholematrix.lamb import Lamb
     return {"muon": torch.optim.Muon, "adafactor": torch.optim.Adafactor, "lamb": Lamb}[opt]
 
 
@@ -105,7 +105,7 @@ def whole_kw(opt):
 def worker(rank, n, cases, quantised=False):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from zerolab import muon_a2a, muon_owner, muon_replicate
+    from zerolab.wholematrix import muon_a2a, muon_owner, muon_replicate
     from zerolab.comm import Comm
     classes = {"owner": muon_owner.MuonOwner, "a2a": muon_a2a.MuonAllToAll,
                "replicate": muon_replicate.MuonReplicate}
@@ -322,14 +322,14 @@ def test_08bs_7_5b_figure_draws_the_table_by_hand():
 
 
 def test_make_muon_refuses_an_unknown_layout():
-    from zerolab.compose import make_muon
+    from zerolab.variants.compose import make_muon
     with pytest.raises(ValueError, match="owner, a2a, replicate"):
         make_muon([torch.zeros(2, 2)], "zero3")
 
 
 def test_a2a_refuses_an_optimizer_that_reads_the_weights():
-    from zerolab.lamb import Lamb
-    from zerolab.muon_a2a import MuonAllToAll
+    from zerolab.wholematrix.lamb import Lamb
+    from zerolab.wholematrix.muon_a2a import MuonAllToAll
     for cls in (torch.optim.Adafactor, Lamb):
         with pytest.raises(ValueError, match="use MuonOwner or MuonReplicate"):
             MuonAllToAll([torch.zeros(2, 2)], cls)
@@ -338,7 +338,7 @@ def test_a2a_refuses_an_optimizer_that_reads_the_weights():
 def test_lamb_matches_the_paper_by_hand():
     """Step 1 of Algorithm 2 with λ = 0, ε = 0: m̂ = g, v̂ = g², r = sign(g); x = [3, 4] (norm 5),
     g = [1, -1]: x - lr·5/√2·[1, -1]."""
-    from zerolab.lamb import Lamb
+    from zerolab.wholematrix.lamb import Lamb
     x = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
     opt = Lamb([x], lr=0.1, eps=0.0, weight_decay=0.0)
     x.grad = torch.tensor([1.0, -1.0], dtype=torch.float64)
@@ -372,7 +372,7 @@ def test_lamb_matches_algorithm_2_over_steps():
     float64 numpy (m, v, m̂, v̂, r, trust ratio ‖x‖/‖r + λx‖), on a [5, 3] tensor."""
     import numpy as np
 
-    from zerolab.lamb import Lamb
+    from zerolab.wholematrix.lamb import Lamb
     g = torch.Generator().manual_seed(3)
     x0 = torch.randn(5, 3, generator=g, dtype=torch.float64)
     grads = [torch.randn(5, 3, generator=g, dtype=torch.float64) for _ in range(3)]

@@ -32,9 +32,9 @@ import math
 import pytest
 import torch
 
-from zerolab import tiers
+from zerolab.variants import tiers
 from zerolab.comm import Comm
-from zerolab.compose import make_strategy
+from zerolab.variants.compose import make_strategy
 from zerolab.model import GPT, get_config
 from zerolab.timing import costmodel as cm
 from zerolab.timing import hardware as hw

@@ -1,4 +1,4 @@
-"""ZeRO-Offload (zerolab/offload.py): ZeRO-1/2 with the optimizer states and AdamW on the host.
+"""ZeRO-Offload (zerolab/variants/offload.py): ZeRO-1/2 with the optimizer states and AdamW on the host.
 
 Arithmetic: the same casts, clipping and AdamW as without offload, so on the CPU (device = host)
 every loss, norm and parameter equals the non-offloaded stage's bit for bit, and so single-process
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from conftest import global_batch, make_model, run_ranks, run_zerolab
-from zerolab import offload, theory
+from zerolab import theory
+from zerolab.variants import offload
 from zerolab.course import testing
 
 STEPS = 3
@@ -33,7 +34,7 @@ LINK = "0.1@100"        # 12.5 MB/s, α 100 us: nano's 34,688 B a step each way 
 
 
 def _build(stage, grad_op, gather, model, comm, job, off, meter=None):
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     kw = dict(max_grad_norm=job["max_norm"], lr=job.get("lr", testing.LR), weight_decay=testing.WD,
               gather=gather, offload=off, meter=meter)
     if grad_op:
@@ -242,7 +243,7 @@ def test_the_options_reach_the_strategy_and_the_formulas_scale():
     assert offload.transfer_bytes(psi, n) == {"down": 2 * psi / n, "up": 2 * psi / n}
     import types
 
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     comm = types.SimpleNamespace(world_size=1, rank=0)      # one rank: no collective at setup
     with pytest.raises(ValueError, match="nothing to offload"):
         make_strategy(2, make_model("nano").to(torch.bfloat16), comm, offload=True,

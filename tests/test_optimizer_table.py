@@ -172,7 +172,7 @@ def test_a_loop_optimizer_over_a_stage_with_sharded_gradients_is_refused_naming_
     with strategy.step() and where Muon lives - the weights unchanged (rank 0 of a fake world of
     2: the collectives move nothing, the placeholders are the ones a real run leaves)."""
     from zerolab.comm import Comm
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from zerolab.model import GPT, get_config
     from zerolab.timing import whatif
     cfg = get_config("nano")
@@ -202,7 +202,7 @@ def test_each_advice_names_an_entry_that_exists():
     import importlib
     import re
 
-    from zerolab import muon_theory
+    from zerolab.wholematrix import muon_theory
     from zerolab.optim import ADVICE
     for cls, text in ADVICE.items():
         for dotted in re.findall(r"zerolab(?:\.\w+)+", text):
@@ -213,5 +213,5 @@ def test_each_advice_names_an_entry_that_exists():
                 obj = getattr(importlib.import_module(module), attr, None)
             assert obj is not None, (cls, dotted)
     named = re.findall(r'"(\w+)"', ADVICE["Muon"])
-    assert "zerolab.compose.make_muon" in ADVICE["Muon"]
+    assert "zerolab.variants.compose.make_muon" in ADVICE["Muon"]
     assert tuple(named) == muon_theory.LAYOUTS, named

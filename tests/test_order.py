@@ -4,7 +4,7 @@ on every rank within seconds, in one line - never a hang.
 The model is a small mixture of experts: a router picks one of three experts per token, and the
 layer runs its experts busiest first, so each rank calls them in the order of its own tokens
 (DeepSpeed#4808). With each expert a unit of its own, ZeRO-3's all_gathers come in a different
-order on each rank (before zerolab.order, a hang until the group's timeout). With the MoE layer a
+order on each rank (before zerolab.loop.order, a hang until the group's timeout). With the MoE layer a
 leaf (`zerolab.set_leaf_modules`, DeepSpeed's set_z3_leaf_modules) it is one unit and every stage
 ends within fp32 rounding of one process running torch alone. A second member of the kind, made
 up here: a loop that reads the weights on rank 0 only (`with strategy.gathered():` under
@@ -292,8 +292,8 @@ def test_uneven_micro_steps_stop_in_one_line_naming_them_and_the_advice_is_exact
 
 
 def test_the_leaf_advice_names_the_layer_that_holds_the_blocks():
-    from zerolab.leaves import holders
-    from zerolab.order import message
+    from zerolab.loop.leaves import holders
+    from zerolab.loop.order import message
     torch.manual_seed(0)
     model = MoEToy()
 

@@ -70,7 +70,7 @@ def test_the_combined_zeropp_row_is_measured_and_its_prediction_tends_to_the_pap
     """hpZ + qwZ + qgZ (two hops) at N = 64 in nodes of 8: the ledger's bytes leaving a node
     within 2 % of the finite-N formula (scales and padding of the nano model), which tends to the
     paper's 0.75M (and ZeRO-3's to 3M) as N grows."""
-    from zerolab import tiers
+    from zerolab.variants import tiers
     row = next(r for r in papers.zeropp_rows() if r.key == "zeropp-all")
     assert row.measured[0] == pytest.approx(row.predicted[0], rel=0.02)
     assert row.predicted[0] == pytest.approx(0.5 * 63 / 64 + 0.25 * 7 / 8 + 2 / 256 * (63 / 64 + 7 / 8))

@@ -1,4 +1,4 @@
-"""ZeRO++'s quantized collectives (zerolab/quant.py): exact bookkeeping, bounded error.
+"""ZeRO++'s quantized collectives (zerolab/variants/quant.py): exact bookkeeping, bounded error.
 
 Block-wise quantization against a plain per-block reference (scale = max|x| / q, codes =
 round(x / scale), error <= scale / 2); int4 packing exact on the codes; the quantized all_gather
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import make_model, run_ranks
-from zerolab import quant, theory
+from zerolab import theory
+from zerolab.variants import quant
 
 
 # --- quantization, no ranks ------------------------------------------------------------------------
@@ -90,7 +91,7 @@ def test_bad_specs_are_one_line_errors():
         assert "\n" not in str(err.value)
     assert quant.Quantize.of(None) is None and quant.Quantize.of({"weights": False}) is None
     assert quant.Quantize.of({"grads": "int4"}) == quant.Quantize(grads="int4")
-    with pytest.raises(ValueError, match="must be a zerolab.quant.Quantize"):
+    with pytest.raises(ValueError, match="must be a zerolab.variants.quant.Quantize"):
         quant.Quantize.of("int8")
     with pytest.raises(ValueError, match="'int2' is not one of"):
         theory.quantized_traffic_bytes([8], 2, grads="int2")
@@ -157,7 +158,7 @@ STEPS = 8
 
 def zero3_worker(rank, n):
     from zerolab.comm import Comm
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from zerolab.data import get_batch, load_tokens, rank_slice
     tokens, _ = load_tokens(None, 32)
     x, y = get_batch(tokens, 0, 8, 32, 0)                               # one batch, memorised

@@ -223,7 +223,7 @@ def test_lab9_reference_is_its_demo_run_and_equals_muon_theory(tmp_path):
     the demo's rank JSONs, `nb.launch_demo` restores them, and every rank's stored ledger bytes
     by collective and held bytes equal muon_theory's formulas recomputed here from the GPT's
     shapes (not the formula the ranks stored); at N = 2 the layouts trained the same weights."""
-    from zerolab import muon_theory as mt
+    from zerolab.wholematrix import muon_theory as mt
     from zerolab import nb
     from zerolab.course import muontable, wholematrix
     from zerolab.model import get_config

@@ -1,6 +1,6 @@
 """One schedule: the cost model replays the collectives the strategy code issues, and nothing else.
 
-`zerolab.timing.schedule.record` runs the strategy that zerolab.compose builds for a stage and its
+`zerolab.timing.schedule.record` runs the strategy that zerolab.variants.compose builds for a stage and its
 variant options on a skeleton model (meta tensors, a Comm that moves nothing) and keeps the
 second step's events. Held here against the independent reference, the same strategy training
 the course's GPT on gloo ranks: the collectives of its second step, in issue order - op, what
@@ -28,7 +28,7 @@ def ledger_worker(rank, n, cases):
     """The collectives of the second step of each case, as (op, what, unit, tier, phase,
     numel / the unit's padded numel), in issue order (the guards' checks left out)."""
     from zerolab.comm import Comm
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from conftest import global_batch
     out = []
     for stage, opts in cases:
@@ -104,7 +104,7 @@ def test_step_time_replays_the_recorded_collectives():
 
 
 def test_a_deeper_prefetch_moves_the_gathers_in_the_replay():
-    """PrefetchDepth lives in zerolab/prefetch.py; the replay sees what it does: with depth -1
+    """PrefetchDepth lives in zerolab/variants/prefetch.py; the replay sees what it does: with depth -1
     every block's forward gather is issued before the first block computes."""
     events = schedule.record(3, 4, True, prefetch=-1)
     first_compute = next(i for i, e in enumerate(events) if e[0] == "compute")

@@ -7,7 +7,8 @@ quoted unit attribute (`param_shard`, `bucket`, ...) or strategy method (`_open_
 that the shown source does not contain is prose that no longer matches the code (what notebook
 07 had: a constructor described line by line that had become another one).
 
-Members are the names the lesson's files (zerolab/*.py) assign on a unit or a strategy
+Members are the names the lesson's files (zerolab/*.py,
+loop/, variants/, wholematrix/) assign on a unit or a strategy
 (`u.NAME = `, `unit.NAME = `, `self.NAME = `) and the methods their classes define. A quoted
 call (`strategy.gathered()`) is the reader's API, not a description of the shown lines, and a
 class or module name (`FlatUnit`, `zerolab.sharding`) is not a member: neither is checked.
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+LESSON_DIRS = [ROOT / "zerolab", *(ROOT / "zerolab" / g for g in ("loop", "variants", "wholematrix"))]
 NOTEBOOKS = sorted([*ROOT.glob("notebooks/*.ipynb"), *ROOT.glob("notebooks/exercises/*.ipynb"),
                     *ROOT.glob("labs/*.ipynb")])
 QUOTED = re.compile(r"`([A-Za-z_][A-Za-z0-9_.]*)(\(\))?`")
@@ -31,7 +33,7 @@ QUOTED = re.compile(r"`([A-Za-z_][A-Za-z0-9_.]*)(\(\))?`")
 def lesson_members() -> set[str]:
     """Unit / strategy attributes assigned in the lesson's files, and their classes' methods."""
     names = set()
-    for path in (ROOT / "zerolab").glob("*.py"):
+    for path in (p for d in LESSON_DIRS for p in d.glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
@@ -108,7 +110,7 @@ def problems(cells: list[dict]) -> list[str]:
                 found.append(f"cell {i}: show({target}) names nothing: {err}")
                 continue
             sources.append(inspect.getsource(obj))
-            lesson |= Path(inspect.getsourcefile(obj)).parent == ROOT / "zerolab"
+            lesson |= Path(inspect.getsourcefile(obj)).parent in LESSON_DIRS
         before = cells[i - 1] if i else None
         if not lesson or not before or before["cell_type"] != "markdown":
             continue

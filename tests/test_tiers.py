@@ -19,7 +19,7 @@ from conftest import run_ranks
 
 from zerolab import cli
 from zerolab.comm import Comm
-from zerolab.tiers import hierarchical_all_reduce, node_comms
+from zerolab.variants.tiers import hierarchical_all_reduce, node_comms
 from zerolab.run import knobs, options
 from zerolab.timing import costmodel as cm
 from zerolab.timing import hardware as hw

@@ -15,7 +15,8 @@ import torch
 
 from conftest import make_model, run_ranks
 from test_hybrid import ring_bytes_by_group
-from zerolab import quant, theory, tiers
+from zerolab import theory
+from zerolab.variants import quant, tiers
 
 N, K = 4, 2                                 # 2 nodes of 2
 CASES = [(777, 64, 4), (1000, 256, 8)]      # (chunk elements c, block, bits)
@@ -75,7 +76,7 @@ def test_cost_model_replays_zeropp_on_the_same_groups():
 
 
 def test_quantize_with_hsdp_is_refused_with_advice():
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from zerolab.run import options
     with pytest.raises(ValueError, match="use hybrid 'hpz'") as err:
         make_strategy(3, torch.nn.Linear(2, 2), None, quantize={"grads": "int4"}, hybrid="hsdp",
@@ -101,7 +102,7 @@ def worker(rank, n):
     import torch.distributed as dist
 
     from zerolab.comm import Comm
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     from zerolab.data import get_batch, load_tokens, rank_slice
     out = {"collective": []}
     comm = Comm()

@@ -5,19 +5,10 @@ the few modules they stand on, read in this order, each importing only those abo
 
     theory      formulas: bytes per rank per stage, traffic per step, busbw factors
     model, data the GPT and the text
-    guards      what the training loop may do to weights and gradients: rank 0's init, the
-                loop's zero_grad and edits taken in, placeholders that refuse sharded values
-    hooks       when gradients are ready and when a block's backward begins and ends
-    order       collectives issued in a different order on the ranks: found, stopped in one line
-    leaves      leaf modules (a mixture of experts' layer): blocks gathered as one unit
     comm        every collective, recorded in a per-rank ledger (and labelled in a profile)
-    tiers       two tiers: a node's ranks and the ranks across nodes (their Comms, one ledger),
-                the hierarchical all_reduce, and the bytes per tier of ZeRO-3, HSDP and hpZ
     sharding    flat buffers, padding, owned ranges, buckets / blocks, gradient hooks
     optim       torch's AdamW on flat shards (decay groups, parameters without a gradient);
                 which torch optimizers may step a piece of a weight, and why (OPTIMIZERS)
-    factored    torch's Adafactor on dim-0 row shards: its row/column sums and norms
-                all-reduced, the cheap case of an optimizer that is not element-wise
     memory      measured bytes by category, peaks, allocator cross-check
     strategy    the frame the four stages share: build, backward, step, what a loop may read
     ddp, zero1, zero2, zero3   the stages, the notes' algorithm each: who holds what (hold),
@@ -25,29 +16,16 @@ the few modules they stand on, read in this order, each importing only those abo
     zero3loop   ZeRO-3 inside a real loop: gathered(), checkpoints, skipped blocks (a mixin of
                 ZeRO3, so that zero3.py holds the algorithm)
 
-and the variants of the stages, each in a module beside them, a subclass, a mixin or a wrapped
-Comm (none of them is imported by a stage's file):
+Three folders hold the rest of the lesson, each with its map in its __init__:
 
-    zero1rs     ZeRO-1 with a reduce_scatter of the gradients (llm.c's)
-    placement   ZeRO-1/2's all_gather just before each block's next forward (SHARD_GRAD_OP)
-    offload     ZeRO-Offload: ZeRO-1/2's optimizer states and AdamW on the host, gradients down
-                and updated weights up over PCIe (real on CUDA, emulated on a CPU)
-    prefetch    ZeRO-3's prefetch depth and the root kept from forward into backward
-    quant       ZeRO++'s quantized collectives: qwZ's int8 weight all_gather, qgZ's int8/int4
-                gradient all_to_all (block-wise scales), a wrapped Comm
-    hybrid      ZeRO-3 by node: HSDP (FSDP's HYBRID_SHARD) and ZeRO++'s hpZ
-    loopstep    DDP and ZeRO-3 for a loop that steps its own torch optimizer (torchlike's)
-    compose     `make_strategy(stage, model, comm, **options)`: a stage with its variants
-
-and, beside them, optimizers that read whole matrices (Muon, Adafactor, LAMB), which ZeRO's flat
-ranges cannot step, in three layouts that make each matrix whole somewhere:
-
-    muon_theory owners (greedy by size), bytes, Newton-Schulz FLOPs and held bytes per layout
-    lamb        LAMB written from its paper (You et al. 2020, Algorithm 2), a torch optimizer
-    wholeopt    the layouts' frame: the AdamW fallback split, reduce / route / update / route_back
-    muon_owner  whole parameters owned by ranks (torch's ZeroRedundancyOptimizer's partition)
-    muon_a2a    dim-0 shards sent to each matrix's owner and back with all_to_all (torchtitan)
-    muon_replicate  every gradient gathered, every rank steps every matrix
+    loop/         what a real training loop needs, below the stages (they import it; it imports
+                  nothing else of zerolab): guards, hooks, order, leaves
+    variants/     the stages' variants, above them (a subclass, a mixin or a wrapped Comm each;
+                  no stage imports one): zero1rs, placement, prefetch, offload, quant, tiers,
+                  hybrid, loopstep, and compose (`make_strategy`: a stage with its variants)
+    wholematrix/  optimizers that read whole matrices (Muon, Adafactor, LAMB), which ZeRO's flat
+                  ranges cannot step, in three layouts that make each matrix whole somewhere:
+                  muon_theory, wholeopt, muon_owner, muon_a2a, muon_replicate, lamb, factored
 
 Everything else lives in four wings, sub-folders the lesson never imports, and one door:
 
@@ -64,14 +42,13 @@ Everything else lives in four wings, sub-folders the lesson never imports, and o
     cli/        the `zerolab` command (`python -m zerolab`)
 
 Each wing imports only the lesson and the wings listed before it (timing and torchlike, then
-run, then course;
-the cli imports them all); `import-linter` checks this on every test run (the contracts in
-pyproject.toml).
+run, then course; the cli imports them all); `import-linter` checks this on every test run (the
+contracts in pyproject.toml).
 `from zerolab import nb` is the notebooks' door to `zerolab.course.nb`, resolved on first use.
 """
-from .compose import make_strategy
+from .variants.compose import make_strategy
 from .ddp import DDP
-from .leaves import set_leaf_modules
+from .loop.leaves import set_leaf_modules
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3

@@ -8,7 +8,7 @@ measured traffic that the labs put next to `theory.traffic_bytes`.
 
     torchrun --standalone --nproc-per-node 4 -m zerolab.run.train --stage 2 --preset tiny --steps 3
 
-Sub-groups (`zerolab.tiers`: a node's ranks, the ranks across nodes) have Comms of their own that
+Sub-groups (`zerolab.variants.tiers`: a node's ranks, the ranks across nodes) have Comms of their own that
 write into their parent's ledger, each record tagged with the tier it stays on, so one ledger per
 rank holds every collective of a step.
 
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import theory
-from .order import watched_wait
+from .loop.order import watched_wait
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases (2.11 on the GPU
 # machine) only have the old names. This is the one compatibility shim.
@@ -87,7 +87,7 @@ class Record:
     seq: int = 0          # order of issue on this rank
     time_source: str = ""          # a key of TIME_SOURCES, set when settled
     issue_to_done_s: float = float("nan")   # gloo: issue -> completion on the host (queue included)
-    tier: str = ""        # "" the Comm's whole group; "intra" / "inter" a sub-group's (zerolab.tiers)
+    tier: str = ""        # "" the Comm's whole group; "intra" / "inter" a sub-group's (zerolab.variants.tiers)
 
     @property
     def algbw(self) -> float:
@@ -206,7 +206,7 @@ class Comm:
         self.ranks = (tuple(dist.get_process_group_ranks(group)) if group is not None
                       else tuple(range(self.world_size)))
         self.records: list[Record] = []
-        self.root, self.tier, self.children = self, "", []   # a sub-group's: zerolab.tiers
+        self.root, self.tier, self.children = self, "", []   # a sub-group's: zerolab.variants.tiers
         self._step, self._phase = 0, "setup"
         self.passes, self.parents = {0: 0}, {}  # order: forward passes per step, units' layers
         self.backend = dist.get_backend(group)
@@ -229,7 +229,7 @@ class Comm:
 
     def _enter(self, phase: str):
         """Set the phase, counting forward passes between optimizer steps (`passes`: {k: forward
-        passes after the k-th entry into "step"}): zerolab.order tells a rank that ran more
+        passes after the k-th entry into "step"}): zerolab.loop.order tells a rank that ran more
         micro-steps than the others from other faults by it."""
         root = self.root
         passes = root.__dict__.setdefault("passes", {0: 0})    # (a Comm-like without __init__)

@@ -35,7 +35,7 @@ from .sharding import storage_bytes
 
 TRANSIENT = ("grad_buckets", "gathered_params", "grad_fp32",   # come and go within a step
              "reduce_scatter_out")
-HOST = "host_"      # categories in host memory (zerolab.offload): totals and peaks of their own
+HOST = "host_"      # categories in host memory (zerolab.variants.offload): totals and peaks of their own
 
 
 class MemoryMeter:

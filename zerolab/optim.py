@@ -266,7 +266,7 @@ ADVICE = {
     "Adafactor": "use zerolab.torchlike.Adafactor (torch's arithmetic on fully_shard's dim-0 "
                  "shards, with small all_reduces of its row/column sums and norms)",
     "Muon": "keep the model replicated (zerolab.torchlike.DistributedDataParallel) or use a "
-            "distributed Muon over a replicated model: zerolab.compose.make_muon(params, "
+            "distributed Muon over a replicated model: zerolab.variants.compose.make_muon(params, "
             "layout) with layout \"owner\", \"a2a\" or \"replicate\"",
     "SparseAdam": "use torch.optim.Adam or AdamW (its update where every entry has a gradient)",
 }

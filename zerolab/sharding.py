@@ -20,9 +20,10 @@ import math
 
 import torch
 
-from . import guards, theory
-from .leaves import group_blocks
-from .hooks import (GradReady, on_grads_ready, on_post_backward,  # noqa: F401 - re-exported:
+from . import theory
+from .loop import guards
+from .loop.leaves import group_blocks
+from .loop.hooks import (GradReady, on_grads_ready, on_post_backward,  # noqa: F401 - re-exported:
                     on_pre_backward)                                # the strategies' hooks
 
 ROOT = "root"

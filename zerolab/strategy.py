@@ -4,7 +4,7 @@ Idea: DDP and ZeRO-1/2/3 differ in who holds what (`hold`), in the collective a 
 get when they are ready during backward (`_grads_ready`) and in the update (`update`). The order
 of a training step is the same for all four - the notes' "训练流程": forward, backward with the
 gradient collectives in flight, then the optimizer step - and so is what a PyTorch loop may do
-around it (zero_grad, clipping, edits, reading weights: `zerolab.guards`). `Strategy` is that
+around it (zero_grad, clipping, edits, reading weights: `zerolab.loop.guards`). `Strategy` is that
 frame; ddp.py, zero1.py, zero2.py and zero3.py fill it in, method for method in the same order:
 
     hold(u)             the buffers of one unit on this rank: weights, gradients, fp32 master
@@ -26,7 +26,7 @@ The frame itself, in the order it runs:
 
 A variant of a stage (offload, the gather's placement, prefetch depth, hybrid sharding, the loop's
 own optimizer, ...) is a subclass in its own module that overrides a few of these methods
-(`zerolab.compose` builds them); nothing of a variant appears here or in a stage's file.
+(`zerolab.variants.compose` builds them); nothing of a variant appears here or in a stage's file.
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ import inspect
 
 import torch
 
-from .guards import (adopt_edits, check_edits, check_step, check_sync_grads, claim_grads,
+from .loop.guards import (adopt_edits, check_edits, check_step, check_sync_grads, claim_grads,
                      fingerprint, sync_module_states)
-from .leaves import holders
+from .loop.leaves import holders
 from .optim import (adam_state, clip_grad_norm_, make_flat_optimizer, optimizer_states,
                     set_adam_state)
-from .order import confirm
+from .loop.order import confirm
 from .sharding import (GradReady, bucket_numel, build_units, check_all_used, check_trainable,
                        fp32_grads, global_used, grad_copies, write_back)
 
@@ -70,7 +70,7 @@ class Strategy:
                 raise TypeError(f"{type(self).__name__} got an unexpected option {key!r}: it takes "
                                 f"max_grad_norm, find_unused_parameters, grad_dtype, bucket_mb, "
                                 f"meter, {', '.join(ADAMW)}; a variant's option goes to "
-                                "zerolab.compose.make_strategy")
+                                "zerolab.variants.compose.make_strategy")
         self.model, self.comm, self.meter = model, comm, meter
         self.max_grad_norm, self.n = max_grad_norm, comm.world_size
         self.find_unused, self.grad_dtype, self.bucket_mb = (find_unused_parameters, grad_dtype,
@@ -78,7 +78,7 @@ class Strategy:
         self.handles, self.inflight, self.sync, self.fresh = [], [], True, False
         self.phase_set = False              # _enter_forward set the ledger's phase
         self.units = self.build_units(model, bucket_mb)
-        vars(getattr(comm, "root", comm)).setdefault("parents", {}).update(   # zerolab.order's
+        vars(getattr(comm, "root", comm)).setdefault("parents", {}).update(   # zerolab.loop.order's
             holders(model, self.units))                                         # advice names them
         for u in self.units:
             self.hold(u)

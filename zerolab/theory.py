@@ -262,7 +262,7 @@ def traffic_bytes(psi: float, world_size: int, stage: int, precision: str = "bf1
     return out
 
 
-# --- ZeRO++'s quantized collectives (zerolab.quant): qwZ weights, qgZ gradients --------------------
+# --- ZeRO++'s quantized collectives (zerolab.variants.quant): qwZ weights, qgZ gradients --------------------
 QUANT_BITS = {"int8": 8, "int4": 4}
 SCALE_BYTES = 4                 # one fp32 scale per block of quantized values
 

@@ -11,9 +11,9 @@ rank's updated range to everyone. Per rank: 2Ψ + 2Ψ + 12Ψ/N bytes (5.5Ψ at N
 
 Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py (the frame: zerolab/strategy.py):
 hold (who holds what) / backward's hooks / update (the step) / state_tensors / checkpoint.
-Variants, each in its own module: the gradient as a reduce_scatter (zerolab/zero1rs.py), the
-all_gather just before the next forward (zerolab/placement.py), the optimizer on the host
-(zerolab/offload.py).
+Variants, each in its own module: the gradient as a reduce_scatter (zerolab/variants/zero1rs.py), the
+all_gather just before the next forward (zerolab/variants/placement.py), the optimizer on the host
+(zerolab/variants/offload.py).
 """
 from __future__ import annotations
 

@@ -15,13 +15,13 @@ of the step. Per rank: 2Ψ + (2Ψ + 12Ψ)/N bytes (3.75Ψ at N = 8); traffic 2(n
 Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py (the frame: zerolab/strategy.py):
 hold (who holds what) / backward's hooks / update (the step) / state_tensors / checkpoint.
 Variants, each in its own module: the all_gather just before the next forward
-(zerolab/placement.py), the optimizer on the host (zerolab/offload.py).
+(zerolab/variants/placement.py), the optimizer on the host (zerolab/variants/offload.py).
 """
 from __future__ import annotations
 
 import torch
 
-from .guards import ShardedGrad, claim_grads, claim_shard_grads, shard_grads
+from .loop.guards import ShardedGrad, claim_grads, claim_shard_grads, shard_grads
 from .sharding import on_pre_backward
 from .strategy import Strategy
 

@@ -15,8 +15,8 @@ Skeleton shared by ddp.py, zero1.py, zero2.py, zero3.py (the frame: zerolab/stra
 hold (who holds what) / backward's hooks / update (the step) / state_tensors / checkpoint
 (ZeRO-3's: the mixin below).
 Variants, each in its own module: another prefetch depth, the root kept from forward into
-backward (zerolab/prefetch.py), quantized collectives (zerolab/quant.py), hybrid sharding
-(zerolab/hybrid.py), the loop's own optimizer on the shards (zerolab/loopstep.py). What a loop
+backward (zerolab/variants/prefetch.py), quantized collectives (zerolab/variants/quant.py), hybrid sharding
+(zerolab/variants/hybrid.py), the loop's own optimizer on the shards (zerolab/variants/loopstep.py). What a loop
 does besides forward, backward and step - the unshard / reshard / keep_edits that the frame's
 gathered() calls, checkpoints, skipped blocks - is the mixin `ZeRO3Loop` (zerolab/zero3loop.py).
 """
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from .guards import (ShardedGrad, check_untouched, claim_grads, claim_shard_grads,
+from .loop.guards import (ShardedGrad, check_untouched, claim_grads, claim_shard_grads,
                      refuse_state_dict, shard_grads)
-from .order import agree
+from .loop.order import agree
 from .sharding import alloc_storage, free_storage, on_post_backward, on_pre_backward
 from .strategy import Strategy
 from .zero3loop import ZeRO3Loop
@@ -237,7 +237,7 @@ class ZeRO3(ZeRO3Loop, Strategy):
         self.inflight.append(handle)
 
     def _reduced(self, u, out):
-        u.grad_shard.add_(out.div_(self.n))     # (zerolab.hybrid's HSDP: across nodes first)
+        u.grad_shard.add_(out.div_(self.n))     # (zerolab.variants.hybrid's HSDP: across nodes first)
 
     def finish_backward(self):
         self._drain_prefetch()

@@ -15,15 +15,15 @@ answers, a mixin of `ZeRO3` (`class ZeRO3(ZeRO3Loop, Strategy)`) kept out of the
     checkpoints         shard_state / load_params: this rank's range of the weights
     skipped blocks      `_catch_up`: a block this rank's forward skipped is gathered and freed
                         anyway; a block called again or out of order is confirmed with every
-                        rank first (zerolab/order.py), so no collective pairs wrongly
+                        rank first (zerolab/loop/order.py), so no collective pairs wrongly
 """
 from __future__ import annotations
 
 import torch
 
-from .guards import check_edits, take_replaced
+from .loop.guards import check_edits, take_replaced
 from .optim import adam_state
-from .order import confirm
+from .loop.order import confirm
 from .sharding import keep_own_range
 
 
@@ -42,7 +42,7 @@ class ZeRO3Loop:
     def unshard(self):                      # gathered(): every unit, pinned until reshard()
         if self.pinned:
             raise RuntimeError("strategy.gathered() blocks do not nest")
-        confirm(self.comm, "gathered()")    # on every rank, or refused: zerolab/order.py
+        confirm(self.comm, "gathered()")    # on every rank, or refused: zerolab/loop/order.py
         with self.comm.phase("eval"):
             for u in self.units:
                 self._gather(u)

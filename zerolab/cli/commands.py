@@ -24,7 +24,8 @@ import re
 import sys
 from pathlib import Path
 
-from .. import offload, theory
+from .. import theory
+from ..variants import offload
 from ..run import job, options
 from ..run.folders import atomic_json, check_out_dir, start_run
 from ..run.launch import LaunchError, LaunchInterrupted, run_torchrun
@@ -263,7 +264,7 @@ def cmd_memory(args) -> int:
           "--optimizer-states, --master-rounding): bytes per parameter, then GB per rank")
     from ..course.ladder import format_state_ladder
     print(format_state_ladder(args.params, args.world_size))
-    print("\nZeRO-Offload (zerolab train --offload-optimizer; zerolab/offload.py): optimizer "
+    print("\nZeRO-Offload (zerolab train --offload-optimizer; zerolab/variants/offload.py): optimizer "
           "states and AdamW on the host, GB per rank")
     print(offload.format_table(args.params, args.world_size, args.precision, args.grad_dtype))
     print(f"\nbytes sent per rank per step (ring algorithm, {args.precision} grads/params), GB")
@@ -278,7 +279,7 @@ def cmd_memory(args) -> int:
     for label, w, g in (("ZeRO-3 + qwZ int8", "int8", None), ("ZeRO-3 + qwZ + qgZ int4", "int8", "int4")):
         t = theory.quantized_traffic_bytes([args.params / args.world_size], args.world_size, w, g,
                                            precision=args.precision, grad_dtype=args.grad_dtype)
-        parts = ", ".join(f"{k} {v / 1e9:.4g}" for k, v in t.items() if v)      # zerolab/quant.py
+        parts = ", ".join(f"{k} {v / 1e9:.4g}" for k, v in t.items() if v)      # zerolab/variants/quant.py
         print(f"  {label:<26} {sum(t.values()) / 1e9:>9.4g}   = {parts} (block 256, fp32 scales)")
     return 0
 

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .. import theory
-from ..compose import make_strategy
+from ..variants.compose import make_strategy
 from ..timing import linkemu
 from . import commfloor
 from ..comm import Comm
@@ -68,7 +68,7 @@ from ..run import options
 from ..run.options import check_seed
 from ..run.rank import rank_entry
 from ..sharding import storage_bytes
-from ..prefetch import DEFAULT_PREFETCH
+from ..variants.prefetch import DEFAULT_PREFETCH
 
 ZEROLAB = {"zerolab-ddp": (0, None), "zerolab-zero1": (1, None), "zerolab-zero2": (2, None),
            "zerolab-zero3": (3, DEFAULT_PREFETCH), "zerolab-zero3-noprefetch": (3, 0)}

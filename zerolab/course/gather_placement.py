@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from .. import theory
-from ..compose import make_strategy
+from ..variants.compose import make_strategy
 from ..comm import Comm
 from ..data import get_batch, load_tokens, rank_slice
-from ..placement import GATHER_MODES
+from ..variants.placement import GATHER_MODES
 from ..model import GPT, get_config
 from ..sharding import build_units
 from ..timing import costmodel, linkemu

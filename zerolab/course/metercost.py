@@ -7,7 +7,7 @@ step; a measurement of memory must not be paid for in time without saying how mu
 runs one step of every variant of every stage, in an order rotated each round, after a barrier;
 a step's time is the slowest rank's. Two measures: the seconds spent inside `sample` per step,
 and the A/B ratio of a step to the same round's step without a meter. The guards
-(zerolab.guards: what a PyTorch loop may do - zero_grad, edits, placeholders of sharded values,
+(zerolab.loop.guards: what a PyTorch loop may do - zero_grad, edits, placeholders of sharded values,
 ranks that must agree) run in every step, with or without a meter: their seconds per step are
 timed in the steps without a meter by wrapping each guard the frame and the stages call
 (`GUARD_CALLS`, a perf_counter pair per call, ~1 us each, included). The bench's options
@@ -35,13 +35,13 @@ from .bench import METER_STAGES, check_args, rank_main, slowest_rank
 
 MODULE = "zerolab.course.metercost"
 METER_VARIANTS = ("none", "idle", "sampling")
-# the guards (zerolab.guards) the frame and the stages call, by the module whose names they are
+# the guards (zerolab.loop.guards) the frame and the stages call, by the module whose names they are
 GUARD_CALLS = {"zerolab.strategy": ("check_trainable", "claim_grads", "check_all_used",
                                     "check_step", "adopt_edits"),
                "zerolab.zero2": ("claim_grads", "claim_shard_grads", "shard_grads"),
                "zerolab.zero3": ("agree", "check_untouched", "claim_grads", "claim_shard_grads",
                                  "shard_grads"),
-               "zerolab.guards": ("shard_params", "unshard_param")}   # ZeRO-3's placeholders
+               "zerolab.loop.guards": ("shard_params", "unshard_param")}   # ZeRO-3's placeholders
 
 
 @contextlib.contextmanager
@@ -184,7 +184,7 @@ def format_meter_cost(summary: dict) -> str:
         lines.append(f"{r['system']:<16}{r['variant']:<10}{r['median_s'] * 1e3:>9.1f}{spread:>11}"
                      f"{r['ratio_median']:>11.3f}{ratios:>13}{r['samples_per_step']:>9}"
                      f"{r['meter_s'] * 1e3:>13.3f}{inside:>13}{r['meter_share'] * 100:>9.2f}%")
-    lines.append("the training-loop guards (zerolab.guards), ms in a step without a meter (median "
+    lines.append("the training-loop guards (zerolab.loop.guards), ms in a step without a meter (median "
                  "of the slowest rank; % of that step):")
     for g in summary.get("guards", []):
         parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in g["guards_s"].items() if v >= 5e-6)

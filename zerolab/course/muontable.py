@@ -5,7 +5,7 @@
     python -m zerolab.course.muontable --no-run          # the formulas only (instant)
     python -m zerolab.course.muontable --preset small --nproc 2 --link-gbps 1
 
-Formula rows (zerolab.muon_theory.summary, per rank, the busiest rank's): bytes a step (fp32
+Formula rows (zerolab.wholematrix.muon_theory.summary, per rank, the busiest rank's): bytes a step (fp32
 gradients and weights: halve for bf16), Newton-Schulz FLOPs (5 iterations), FLOPs computed
 more than once across the world, imbalance (max/mean of the ranks' Newton-Schulz FLOPs; "load":
 of the elements they own, 1 where nothing is owned), held
@@ -31,12 +31,12 @@ import time
 
 import torch
 
-from .. import muon_theory as mt
+from ..wholematrix import muon_theory as mt
 from ..model import GPT, GPTConfig, get_config
 from ..theory import RING_FACTOR
 from ..timing import costmodel, hardware
 from ..timing.flops import MFU
-from ..wholeopt import muon_param_groups
+from ..wholematrix.wholeopt import muon_param_groups
 
 BIG = GPTConfig(vocab_size=50304, block_size=2048, n_layer=36, n_head=32, n_embd=4096)
 LAYOUT_CLASSES = {"owner": "MuonOwner", "a2a": "MuonAllToAll", "replicate": "MuonReplicate"}
@@ -106,7 +106,7 @@ def time_table(psi, n, blocks, d_model, link, device, mfu=MFU) -> str:
 
 def _measure(rank, n, preset, steps, gbps, latency_us):
     """One rank: each layout on the course's GPT (fp32) for `steps` steps on an emulated link."""
-    from .. import muon_a2a, muon_owner, muon_replicate
+    from ..wholematrix import muon_a2a, muon_owner, muon_replicate
     from ..comm import Comm
     from ..memory import transient_peak
     from ..timing.linkemu import from_args

@@ -1,6 +1,6 @@
 """ZeRO-Offload, measured: bytes on the device and on the host, the step split, the same losses.
 
-Idea (zerolab/offload.py): one torchrun group builds ZeRO-2 and ZeRO-2 with
+Idea (zerolab/variants/offload.py): one torchrun group builds ZeRO-2 and ZeRO-2 with
 its optimizer offloaded (once per host link given) from the same seed and runs them round by
 round on the same batches, one bf16 step of each per round in an order rotated every round, a
 barrier before each step (as `zerolab bench`). Measured per rank:
@@ -47,14 +47,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import offload, theory
+from .. import theory
+from ..variants import offload
 from ..comm import Comm
 from ..data import get_batch, load_tokens, rank_slice
 from ..memory import HOST, MemoryMeter
 from ..model import GPT, get_config
 from ..optim import FlatAdamW
 from ..timing import hardware
-from ..compose import make_strategy
+from ..variants.compose import make_strategy
 from ..run.launch import cuda_device_count
 from . import nb
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..comm import Comm
-from ..compose import make_strategy
+from ..variants.compose import make_strategy
 from ..model import GPT, get_config
 from ..timing import costmodel, hardware, linkemu, whatif
 

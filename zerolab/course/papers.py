@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import offload, theory, tiers
+from .. import theory
+from ..variants import offload, tiers
 from ..comm import Comm
-from ..compose import make_strategy
+from ..variants.compose import make_strategy
 from ..model import GPT, get_config
-from ..prefetch import DEFAULT_PREFETCH
+from ..variants.prefetch import DEFAULT_PREFETCH
 from ..timing import costmodel, hardware, whatif
 from .papermeasure import held_elements, host_adamw_seconds, one_step, prefetch_gain
 

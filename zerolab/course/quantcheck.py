@@ -1,6 +1,6 @@
 """What ZeRO++'s quantized collectives save and what they cost, measured on the `tiny` GPT.
 
-zerolab/quant.py is the mechanism (qwZ: int8 weight all_gathers; qgZ: the gradient reduce_scatter
+zerolab/variants/quant.py is the mechanism (qwZ: int8 weight all_gathers; qgZ: the gradient reduce_scatter
 as an all_to_all of int8 / int4 codes), `theory.quantized_traffic_bytes` the formula. Three
 measurements, each re-runnable:
 
@@ -33,7 +33,8 @@ import tempfile
 
 import torch
 
-from .. import quant, theory
+from .. import theory
+from ..variants import quant
 from ..model import GPT, get_config
 from ..sharding import build_units
 from .testing import run_ranks

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import order
+from ..loop import order
 
 LR, WD, BETAS, EPS = 1e-4, 0.1, (0.9, 0.95), 1e-8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from .. import quant, theory, tiers
+from .. import theory
+from ..variants import quant, tiers
 from ..model import GPT, get_config
 from ..timing import costmodel, hardware
 
@@ -176,7 +177,7 @@ def zeropp_cross_node(worlds=((4, 2), (8, 4), (64, 8)), preset: str = "nano") ->
     run's shard sizes (`tiers.zeropp_traffic_bytes`) and its closed form
     (`tiers.zeropp_cross_node_in_m`, no scales: the paper's count)."""
     from ..comm import Comm
-    from ..compose import make_strategy
+    from ..variants.compose import make_strategy
     from ..timing import whatif
     cfg, rows = get_config(preset), []
     for n, k in worlds:

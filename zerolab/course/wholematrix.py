@@ -23,7 +23,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .. import muon_theory as mt
+from ..wholematrix import muon_theory as mt
 from .demos import wholematrix as demo
 from .plots import COLLECTIVE_COLORS, FONT
 
@@ -240,7 +240,7 @@ def figure(sweep: dict):
 
 def scale_costs(cfg=None, n: int = 64, elem_bytes: int = 4) -> list[dict]:
     """The three layouts' formulas for a GPT of `cfg` (default: muontable.BIG, 7.5B) on `n`
-    ranks (zerolab.muon_theory.layout_costs, what `zerolab time --muon` prints), per layout:
+    ranks (zerolab.wholematrix.muon_theory.layout_costs, what `zerolab time --muon` prints), per layout:
     {"layout", "bytes" {collective: bytes a step, the busiest rank's}, "ns_flops" (the busiest
     rank's Newton-Schulz FLOPs a step), "state_bytes", "buffer_bytes" (of the rank holding the
     most; fp32 for elem_bytes = 4)}. No model is built (meta shapes)."""

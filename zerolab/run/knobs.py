@@ -18,12 +18,13 @@ import os
 
 import torch
 
-from .. import quant, theory
-from ..offload import Offload
-from ..hybrid import HYBRIDS
-from ..placement import DEFAULT_GATHER
+from .. import theory
+from ..variants import quant
+from ..variants.offload import Offload
+from ..variants.hybrid import HYBRIDS
+from ..variants.placement import DEFAULT_GATHER
 from ..timing import hardware, linkemu
-from ..prefetch import DEFAULT_PREFETCH
+from ..variants.prefetch import DEFAULT_PREFETCH
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 OFFLOAD_LINK = "pcie4"          # --offload-link's default (zerolab/timing/hardware.py)
@@ -50,7 +51,7 @@ def check(args, world_size: int, stages: list[int]):
 
 
 def strategy_kwargs(stage: int, args, meter=None) -> dict:
-    """The keyword arguments of `zerolab.compose.make_strategy(stage, ...)` for these options
+    """The keyword arguments of `zerolab.variants.compose.make_strategy(stage, ...)` for these options
     (`stage.make_strategy`; --hybrid's kind and ranks_per_node: `hybrid`). What was built is
     then the strategy's to say (`strategy.options`: the result JSON reads it)."""
     kwargs = dict(max_grad_norm=args.max_grad_norm, meter=meter, lr=args.lr,
@@ -67,16 +68,16 @@ def strategy_kwargs(stage: int, args, meter=None) -> dict:
         kwargs["grad_op"] = args.zero1_grad_op
     if stage in (1, 2):
         kwargs["gather"] = getattr(args, "zero12_gather", None) or DEFAULT_GATHER
-        kwargs["offload"] = offload(args)       # ZeRO-Offload (zerolab.offload), or None
+        kwargs["offload"] = offload(args)       # ZeRO-Offload (zerolab.variants.offload), or None
     if stage == 3:
         kwargs["prefetch"] = zero3_prefetch_depth(args)
         kwargs["keep_root"] = getattr(args, "zero3_keep_root", False)
-        kwargs["quantize"] = quantize(args)     # ZeRO++ qwZ / qgZ (zerolab.quant), or None
+        kwargs["quantize"] = quantize(args)     # ZeRO++ qwZ / qgZ (zerolab.variants.quant), or None
     return kwargs
 
 
 def hybrid(args, world_size: int, stages: list[int] | None = None) -> tuple[str, int] | None:
-    """(kind, k) of --hybrid hsdp|hpz (zerolab.hybrid), or None. k, the ranks of a node: the
+    """(kind, k) of --hybrid hsdp|hpz (zerolab.variants.hybrid), or None. k, the ranks of a node: the
     emulated --ranks-per-node if given, else torchrun's LOCAL_WORLD_SIZE (the ranks this node
     launched), else the whole world (one node). ValueError (one line) for a stage other than 3,
     a k that does not divide world_size, or a combination it does not support."""
@@ -109,7 +110,7 @@ def hybrid(args, world_size: int, stages: list[int] | None = None) -> tuple[str,
         raise ValueError(f"--hybrid hsdp does not take {given[0]} (HSDP's collectives stay inside "
                          "a node but one all_reduce): ZeRO++ (hpZ + qwZ + qgZ) is --hybrid hpz")
     if given:
-        raise ValueError(f"--hybrid {kind} does not take {given[0]} yet (zerolab/hybrid.py)")
+        raise ValueError(f"--hybrid {kind} does not take {given[0]} yet (zerolab/variants/hybrid.py)")
     return kind, k
 
 

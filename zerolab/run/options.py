@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from .. import quant, theory
+from .. import theory
+from ..variants import quant
 from ..model import PRESETS, get_config
-from ..placement import DEFAULT_GATHER, GATHER_MODES
-from ..prefetch import DEFAULT_PREFETCH
+from ..variants.placement import DEFAULT_GATHER, GATHER_MODES
+from ..variants.prefetch import DEFAULT_PREFETCH
 from . import knobs
 from .knobs import DTYPES  # noqa: F401 - the precisions' dtypes, where the options are
 #: seeds accepted: the range every generator the package seeds takes (torch.manual_seed takes
@@ -98,10 +99,10 @@ OPTIONS = {o.dest: o for o in (
            "after_step (the notes': every unit at the end of the step) or before_forward (FSDP's "
            "SHARD_GRAD_OP: each unit just before its next forward, one unit ahead, overlapping "
            f"the previous unit's compute); same bytes. Default {DEFAULT_GATHER} (measured: "
-           "zerolab/placement.py)", {"choices": GATHER_MODES}),
+           "zerolab/variants/placement.py)", {"choices": GATHER_MODES}),
     Option(("--offload-optimizer",), "ZeRO-1/2: ZeRO-Offload (DeepSpeed's offload_optimizer): "
            "fp32 master, exp_avg, exp_avg_sq and AdamW on the host; gradients down and updated "
-           "weights up each step (zerolab/offload.py)", _ON),
+           "weights up each step (zerolab/variants/offload.py)", _ON),
     Option(("--offload-link",), "the host link of --offload-optimizer: a profile (pcie4, pcie5) "
            "or GBPS[@LATENCY_US]; emulated when the device is the CPU (default pcie4), the "
            "model's figure next to the real copies on CUDA", {"metavar": "SPEC"}),
@@ -118,14 +119,14 @@ OPTIONS = {o.dest: o for o in (
     Option(("--zero3-keep-root",), "ZeRO-3: keep the root unit gathered from forward into "
            "backward", _ON),
     Option(("--quantize-weights",), "ZeRO-3: ZeRO++'s qwZ, the forward / backward all_gathers "
-           "carry int8 block-wise weights (about half the bytes; zerolab/quant.py); default: bf16",
+           "carry int8 block-wise weights (about half the bytes; zerolab/variants/quant.py); default: bf16",
            {"choices": quant.WEIGHT_FORMATS}),
     Option(("--quantize-grads",), "ZeRO-3: ZeRO++'s qgZ, the gradient reduce_scatter is an "
            "all_to_all of int8 or int4 block-wise codes (about 1/2 or 1/4 of the bytes; with "
            "--hybrid hpz in ZeRO++'s two hops, inside the node then across); default: bf16", {"choices": quant.GRAD_FORMATS}),
     Option(("--quant-block",), "elements per fp32 scale of --quantize-weights / --quantize-grads "
            f"(default {quant.DEFAULT_BLOCK})", {"type": int, "metavar": "B"}),
-    Option(("--hybrid",), "ZeRO-3 by node (zerolab/hybrid.py): hsdp shards inside a node and "
+    Option(("--hybrid",), "ZeRO-3 by node (zerolab/variants/hybrid.py): hsdp shards inside a node and "
            "all-reduces across nodes (FSDP's HYBRID_SHARD); hpz gathers the backward's weights "
            "inside the node (ZeRO++); a node: --ranks-per-node K, else the ranks torchrun starts "
            "on it", {"choices": ("hsdp", "hpz")}),

@@ -16,9 +16,10 @@ import statistics
 
 import torch.distributed as dist
 
-from .. import theory, tiers
+from .. import theory
+from ..variants import tiers
 from ..memory import padding_bytes
-from ..offload import HOST_STATES, device_bytes, host_bytes
+from ..variants.offload import HOST_STATES, device_bytes, host_bytes
 from .knobs import optimizer_ladder
 
 
@@ -95,7 +96,7 @@ def stage_result(st, ledger: list[dict]) -> dict:
 
 
 def _with_offload(st, out: dict) -> dict:
-    """--offload-optimizer (zerolab.offload): the model states' formulas become the device's
+    """--offload-optimizer (zerolab.variants.offload): the model states' formulas become the device's
     (no master, no moments), the host's bytes are added next to theirs ("memory"."host",
     "theory"."host_padded"), and "offload" holds the link, the transfers and each step's split."""
     off = st.strategy.options["offload"]
@@ -124,7 +125,7 @@ def _by_op(per_tier: dict) -> dict[str, float]:
 
 def bytes_by_tier(ledger: list[dict], step: int) -> dict[str, dict[str, float]]:
     """Ledger bytes of `step` (grads and params) by the group they ran on - "world" (the whole
-    group), "intra" / "inter" (zerolab.tiers' sub-groups) - and by op."""
+    group), "intra" / "inter" (zerolab.variants.tiers' sub-groups) - and by op."""
     out: dict[str, dict[str, float]] = {}
     for r in ledger:
         if r["step"] == step and r["what"] in ("grads", "params"):

@@ -3,7 +3,7 @@
 Idea: `zerolab.run.train` runs `run_stage` once per stage of a launch. Each phase is one function
 that reads and fills one `Stage` record, so that the training loop reads as the notes tell it:
 
-1. `build`: the model from the seed, the stage's strategy around it (zerolab.compose), and a
+1. `build`: the model from the seed, the stage's strategy around it (zerolab.variants.compose), and a
    checkpoint's state when resuming;
 2. `train`: `--steps` optimizer steps on this rank's rows of each global batch; the last step is
    the measured one (memory meter on, allocator cross-check, CUDA snapshot), the one before it
@@ -28,7 +28,7 @@ import torch
 
 from .. import STRATEGIES, theory
 from ..data import get_batch, rank_slice
-from ..compose import make_strategy as compose_strategy
+from ..variants.compose import make_strategy as compose_strategy
 from ..memory import (MemoryMeter, allocator_peak, cuda_memory_figures, cuda_memory_history,
                       transient_peak)
 from ..model import GPT, num_params
@@ -113,7 +113,7 @@ def before_stage(device) -> dict:
 # --- 1. build ---------------------------------------------------------------------------------
 def make_strategy(stage, model, comm, args, meter):
     """The stage's strategy around `model` with the options' knobs (`knobs.strategy_kwargs`,
-    --hybrid's HSDP / HpZ included), built by zerolab.compose: the stage's class with each
+    --hybrid's HSDP / HpZ included), built by zerolab.variants.compose: the stage's class with each
     variant the options ask for."""
     kwargs = knobs.strategy_kwargs(stage, args, meter)
     hybrid = knobs.hybrid(args, comm.world_size) if stage == 3 else None

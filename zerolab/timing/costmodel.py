@@ -29,7 +29,7 @@ over the FLOP/s training really reaches, the device's peak x MFU (default 0.4, w
 report; 1.0 is the datasheet peak, which no run reaches). A step is then replayed as
 zerolab's strategies issue it (`step_time`): the schedule - every compute, collective and wait,
 in order - is recorded from the strategy code itself (`schedule.record`: the class
-zerolab.compose builds, run on a skeleton of the units; no second copy of any stage here), and
+zerolab.variants.compose builds, run on a skeleton of the units; no second copy of any stage here), and
 replayed on one compute stream and one link (or one per tier) that serves collectives in the
 order they were issued (NCCL runs a communicator's collectives in order on one stream; `linkemu`
 does the same). "Without overlap" waits for every collective as soon as it is issued; "with
@@ -68,10 +68,10 @@ from .collectives import (ALGORITHMS, OPS, Clocks, Leg, check_algorithm,  # noqa
                           collective_time, flat_leg, flat_link, hierarchical_all_reduce, legs,
                           inter_steps, nic_link, nvlink_share, ring_latency, ring_steps,
                           tier_bytes, tree_steps)
-from ..compose import TAKES
-from ..hybrid import HYBRIDS
-from ..placement import GATHER_MODES
-from ..prefetch import check_depth
+from ..variants.compose import TAKES
+from ..variants.hybrid import HYBRIDS
+from ..variants.placement import GATHER_MODES
+from ..variants.prefetch import check_depth
 from . import schedule
 from .hardware import TIERS, Device, Link, Topology
 
@@ -184,7 +184,7 @@ class _Replay:
         self.out.compute += seconds
 
     def issue(self, op, size_bytes, unit, group=None, at=None) -> float:
-        # group: the global ranks of a sub-group (zerolab.tiers; None: all n); at: issue time
+        # group: the global ranks of a sub-group (zerolab.variants.tiers; None: all n); at: issue time
         parts = (legs(op, size_bytes, self.n, self.link, self.algorithm, self.hierarchical)
                  if group is None else [flat_leg(op, size_bytes, group, self.link, self.algorithm)])
         start, end = self.clocks.place(parts, self.t if at is None else at)
@@ -236,11 +236,11 @@ def step_time(stage: int, units: list[Unit], world_size: int, link: Link | Topol
               **options) -> StepTime:
     """Replay one optimizer step (one micro-step) of zerolab's `stage` and return its timing.
 
-    The schedule is the strategy code's own (`schedule.record`: the class zerolab.compose builds
+    The schedule is the strategy code's own (`schedule.record`: the class zerolab.variants.compose builds
     for these options, run on a skeleton of these units, every collective, compute and wait in
     the order the code does them); this function only puts the sizes and seconds in.
     units: forward order; a unit named "root" is treated as `Unit` says. Variant options of the
-    stage (zerolab.compose's; a new variant's go through `**options` untouched): prefetch
+    stage (zerolab.variants.compose's; a new variant's go through `**options` untouched): prefetch
     (ZeRO-3: False / 0 none - the default here -, True / 1 the next block, k, -1 all remaining),
     keep_root (ZeRO-3), zero1_grad_op (ZeRO-1's grad_op), zero12_gather (ZeRO-1/2's gather:
     "after_step" or "before_forward", in steady state the previous step's gathers run in this

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..tiers import check_nics_per_node  # noqa: F401 - re-exported: the flag's check
+from ..variants.tiers import check_nics_per_node  # noqa: F401 - re-exported: the flag's check
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Idea: the cost model (`costmodel.step_time`) must time the collectives zerolab's strategies
 really issue - in their order, with their waits - not a second, hand-written copy of every
 stage and variant. So it asks the code: `record(stage, n_blocks, has_root, **options)` builds the
-strategy with `zerolab.compose.make_strategy` (the class any run of these options gets) around a
+strategy with `zerolab.variants.compose.make_strategy` (the class any run of these options gets) around a
 skeleton model on the meta device (no memory, no arithmetic), runs two training steps through a
 `RecordingComm` that moves nothing, and keeps the second (steady state: ZeRO-1/2's gathers
 deferred to the next forward belong to it) as a list of events in the order they happened:
@@ -51,7 +51,7 @@ class RecordingComm(Comm):
     """A Comm over no process group: every collective is appended to `events` (and to the
     ledger, `records`) and completes at once; nothing moves. rank 0 of `world_size`; `ranks`:
     its members' global ranks; `node_comms(k)`: the intra / inter Comms of nodes of k
-    (zerolab.tiers.node_comms asks a parent that has it)."""
+    (zerolab.variants.tiers.node_comms asks a parent that has it)."""
 
     def __init__(self, world_size: int, ranks=None, events=None, parent=None, tier=""):
         self.group, self.rank, self.world_size = None, 0, world_size
@@ -146,7 +146,7 @@ class Skeleton(torch.nn.Module):
 
 @functools.lru_cache(maxsize=256)
 def _record(stage: int, n_blocks: int, has_root: bool, options: tuple) -> tuple:
-    from ..compose import make_strategy          # (the lesson's door to every variant)
+    from ..variants.compose import make_strategy          # (the lesson's door to every variant)
     opts = dict(options)
     k = opts.get("ranks_per_node")
     n = 2 * k if k else N_RECORD
@@ -178,7 +178,7 @@ def _record(stage: int, n_blocks: int, has_root: bool, options: tuple) -> tuple:
 
 
 def record(stage: int, n_blocks: int, has_root: bool = True, **options) -> tuple:
-    """The events of one steady-state step of `stage` with `options` (zerolab.compose's; hybrid
+    """The events of one steady-state step of `stage` with `options` (zerolab.variants.compose's; hybrid
     needs ranks_per_node) on `n_blocks` blocks (and a root unit), as the module docstring says.
     Cached by its arguments."""
     return _record(theory.check_stage(stage), int(n_blocks), bool(has_root),

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
-from ..tiers import hierarchical_all_reduce, node_comms
+from ..variants.tiers import hierarchical_all_reduce, node_comms
 from . import costmodel, hardware, linkemu
 
 INTRA, INTER = "1@20", "0.1@200"        # Gb/s per GPU / per NIC @ α in us: hardware.parse_link

@@ -12,7 +12,7 @@ With two tiers (a `hardware.Topology`) the header shows both links and the NICs 
 stage's collectives run flat over all N ranks (one ring per NIC when N spans nodes: as fast as a
 node's NICs together, `collectives.flat_leg`), an extra row replays
 DDP with hierarchical all_reduces, two more replay ZeRO-3's hybrids (HSDP and hpZ,
-zerolab.hybrid: gathers inside a node), and the last column tags each op's milliseconds with the tier
+zerolab.variants.hybrid: gathers inside a node), and the last column tags each op's milliseconds with the tier
 they were paid at: "all_reduce 93.99 [inter]", "all_reduce 127.1 [intra 59.23 + inter 67.87]".
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def format_time_table(psi: float, world_size: int, tokens_per_rank: float, link:
     if isinstance(link, Topology) and 1 < link.ranks_per_node < world_size \
             and not world_size % link.ranks_per_node:
         variants.insert(1, (0, False, True, None))  # DDP with hierarchical all_reduces
-        variants += [(3, True, False, "hsdp"), (3, True, False, "hpz")]    # zerolab.hybrid
+        variants += [(3, True, False, "hsdp"), (3, True, False, "hpz")]    # zerolab.variants.hybrid
     for stage, prefetch, hier, hybrid in variants:
         ops = ("all_reduce", "reduce_scatter") if stage == 1 else (None,)
         for op in ops:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import theory
-from ..compose import make_strategy
+from ..variants.compose import make_strategy
 from . import costmodel, hardware
 from ..comm import Comm
 from ..memory import TRANSIENT, MemoryMeter

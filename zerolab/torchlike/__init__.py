@@ -36,7 +36,7 @@ element-wise (`zerolab.optim.OPTIMIZERS`): another (Adafactor, Muon, LBFGS, a cl
 cannot vouch for) is refused in one line at its first step on every rank (`optimizers.py`: the
 shards are plain tensors, so torch's class would compute over each rank's rows alone);
 `Adafactor` here is torch's Adafactor on the dim-0 shards, exact, with two small all_reduces a
-step (`zerolab.factored`).
+step (`zerolab.wholematrix.factored`).
 """
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method

@@ -21,7 +21,7 @@ import torch
 
 from .. import theory
 from ..comm import Comm
-from ..loopstep import LoopStepDDP
+from ..variants.loopstep import LoopStepDDP
 from ..sharding import module_blocks
 from .backward import Backward
 
@@ -39,7 +39,7 @@ class DistributedDataParallel(torch.nn.Module):
     only drift). device_ids / output_device: the module's own device is used (one device per
     rank, torch's recommended use); gradient_as_bucket_view, static_graph, check_reduction:
     accepted, no effect (gradients are always bucket views). dim other than 0 is refused.
-    Attributes: module, comm (the ledger: `comm.records`), strategy (zerolab.loopstep.LoopStepDDP).
+    Attributes: module, comm (the ledger: `comm.records`), strategy (zerolab.variants.loopstep.LoopStepDDP).
     Raises RuntimeError (torch.distributed not initialised) and ValueError (bucket_cap_mb not a
     number > 0, dim != 0, device_ids naming more than one device), one line each."""
 

@@ -14,7 +14,7 @@ module held a parameter now holds this rank's shard: an nn.Parameter (shape: its
 rest for "dim0", a 1-D piece for "flat") that is a view of the unit's master shard. A torch
 optimizer built afterwards over model.parameters() steps those shards in place: an element-wise
 one (another is refused at its first step: optimizers.py; zerolab.torchlike.Adafactor runs). The outermost
-call builds zerolab's ZeRO-3 for a loop that steps (zerolab.loopstep.LoopStepZeRO3) over every unit: forward gathers a unit in
+call builds zerolab's ZeRO-3 for a loop that steps (zerolab.variants.loopstep.LoopStepZeRO3) over every unit: forward gathers a unit in
 param_dtype just before its module runs and frees it after (reshard_after_forward=True); the
 loop's loss.backward() gathers again, reduce-scatters each unit's gradient as soon as it is
 ready and leaves each shard parameter's .grad = its piece of the averaged gradient.
@@ -38,9 +38,9 @@ import functools
 
 import torch
 
-from ..guards import is_placeholder, sync_module_states
-from ..leaves import MARK
-from ..loopstep import LoopStepZeRO3, replaced, reshard_unit, shard_unit
+from ..loop.guards import is_placeholder, sync_module_states
+from ..loop.leaves import MARK
+from ..variants.loopstep import LoopStepZeRO3, replaced, reshard_unit, shard_unit
 from ..sharding import ROOT, FlatUnit
 from .backward import Backward, cast_floats, in_backward
 from .ledger import LedgerComm, one_ledger
@@ -106,7 +106,7 @@ class FSDPModule:
 
     @property
     def zerolab_strategy(self):
-        """The zerolab.loopstep.LoopStepZeRO3 running this model (on the root)."""
+        """The zerolab.variants.loopstep.LoopStepZeRO3 running this model (on the root)."""
         return _root_state(self).strategy
 
     def _apply(self, fn, recurse=True):
@@ -189,7 +189,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     modules = _modules_of(module)
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward {reshard_after_forward!r} must be True or False "
-                         "(an int, ZeRO++'s hpZ, is zerolab.hybrid.HpZ, not offered by fully_shard)")
+                         "(an int, ZeRO++'s hpZ, is zerolab.variants.hybrid.HpZ, not offered by fully_shard)")
     if type(mp_policy).__name__ == "MixedPrecisionPolicy" and not isinstance(
             mp_policy, MixedPrecisionPolicy):           # torch's own: the same four fields
         mp_policy = MixedPrecisionPolicy(**{f.name: getattr(mp_policy, f.name)

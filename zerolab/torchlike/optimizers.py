@@ -12,7 +12,7 @@ instead. It also refuses an optimizer built before fully_shard (its parameters w
 by the shards: it would step nothing; build it after, as FSDP2 needs). The check runs once per
 optimizer and set of parameters.
 
-`Adafactor` is torch.optim.Adafactor for fully_shard's dim-0 shards (`zerolab.factored`): built
+`Adafactor` is torch.optim.Adafactor for fully_shard's dim-0 shards (`zerolab.wholematrix.factored`): built
 and used as torch's, the same arithmetic, with two small all_reduces a step.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..factored import RowShardedAdafactor
+from ..wholematrix.factored import RowShardedAdafactor
 from ..optim import refusal
 
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # optimizer -> param ids
@@ -67,7 +67,7 @@ class Adafactor(RowShardedAdafactor):
 
     Arguments and defaults are torch's (lr, beta2_decay, eps, d, weight_decay, foreach,
     maximize). Shard parameters of layout "dim0" (fully_shard's default) are stepped with
-    torch's arithmetic over the whole weight (`zerolab.factored`: per step one all_reduce of
+    torch's arithmetic over the whole weight (`zerolab.wholematrix.factored`: per step one all_reduce of
     each 2-D weight's C column sums, its row-statistic sum and every shard's squared-weight
     sum, and one of every shard's squared-update sum: 4 (2 P_s + Σ_2-D (C_i + 1)) bytes, in the
     model's ledger, what "optim_stats"); other parameters (ignored_params) as torch's class

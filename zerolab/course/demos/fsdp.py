@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...comm import Comm
-from ...compose import make_strategy
+from ...variants.compose import make_strategy
 from ...data import get_batch, load_tokens, rank_slice
 from ...model import GPT, get_config, num_params
 from ...sharding import decays, make_optimizer, storage_bytes
@@ -151,7 +151,7 @@ def run_zerolab(stage, args, tokens, cfg, group=None) -> dict:
     comm = Comm(group=group)
     # ZeRO-3 one block at a time, like FSDP2's forward on CPU (no stream to prefetch on); zerolab's
     # default gathers one block ahead (prefetch.DEFAULT_PREFETCH)
-    kwargs = {"prefetch": 0} if stage == 3 else {}      # (zerolab/prefetch.py's variant)
+    kwargs = {"prefetch": 0} if stage == 3 else {}      # (zerolab/variants/prefetch.py's variant)
     strategy = make_strategy(stage, fresh_model(cfg, args.seed), comm, max_grad_norm=0.0,
                              lr=args.lr, weight_decay=args.weight_decay, **kwargs)
 

@@ -1,7 +1,7 @@
 """Optimizers that see the whole matrix, on gloo ranks: distributed Muon's three layouts, and
 Adafactor on fully_shard's rows (notebook 08b, lab 9).
 
-Part 1, Muon (`--layouts owner,a2a,replicate`): each layout (zerolab/muon_owner.py, muon_a2a.py,
+Part 1, Muon (`--layouts owner,a2a,replicate`): each layout (zerolab/wholematrix/muon_owner.py, muon_a2a.py,
 muon_replicate.py) trains the course's GPT (`--preset`, fp32, torch.optim.Muon on the hidden
 matrices + AdamW on the rest, muon_param_groups) for `--steps` steps from the same weights on
 the same batches, over an emulated link (`--link-gbps`, `--link-latency-us`: every collective
@@ -46,13 +46,13 @@ ADAFACTOR_STEPS = 3
 # --- part 1: Muon's layouts ---------------------------------------------------------------------
 def muon_layout(layout, rank, n, args, first=None):
     from ...comm import Comm
-    from ...compose import make_muon
+    from ...variants.compose import make_muon
     from ...memory import transient_peak
     from ...model import GPT, get_config
     from ...theory import RING_FACTOR
     from ...timing import costmodel, hardware
     from ...timing.linkemu import from_args
-    from ...wholeopt import muon_param_groups
+    from ...wholematrix.wholeopt import muon_param_groups
     cfg = get_config(args.preset)
     torch.manual_seed(args.seed)
     model, comm = GPT(cfg), Comm()
@@ -107,7 +107,7 @@ def issue_batch(step: int):
 
 def adafactor_part(rank, n):
     from ... import torchlike as tl
-    from ...factored import STATS, stats_bytes
+    from ...wholematrix.factored import STATS, stats_bytes
     from ...theory import RING_FACTOR
     # torch's class over the shards: refused at the first step, nothing changed
     model = issue_mlp()

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from ... import theory, tiers
+from ... import theory
+from ...variants import tiers
 
 
 @dataclass(frozen=True)

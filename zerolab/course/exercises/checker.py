@@ -184,10 +184,10 @@ def check_worker(rank, n, name, impl):
 
 def _check_run(rank, n, name, impl, notes, found):
     from ... import theory
-    from ...compose import make_strategy
+    from ...variants.compose import make_strategy
     from .. import testing
     from ...comm import Comm
-    from ...guards import ShardedGrad
+    from ...loop.guards import ShardedGrad
     from ...memory import MemoryMeter
 
     ex = EXERCISES[name]

@@ -270,7 +270,7 @@ def _measure_knobs(rank, n):
     from ...ddp import DDP
     from ...memory import MemoryMeter
     from ...model import GPT, get_config
-    from ...compose import make_strategy
+    from ...variants.compose import make_strategy
     from ..testing import global_batch
 
     def model():

@@ -1,7 +1,7 @@
 """Exercise (k): the owner of each whole matrix, greedy by size, graded without ranks.
 
 Muon, Adafactor and LAMB read a parameter's whole matrix, so the owner layout
-(zerolab/muon_owner.py) gives every parameter to one rank, as torch's ZeroRedundancyOptimizer
+(zerolab/wholematrix/muon_owner.py) gives every parameter to one rank, as torch's ZeroRedundancyOptimizer
 does for any optimizer (`_partition_parameters`): largest first (all of a parameter's elements;
 equal sizes in list order), each to the rank owning the fewest elements so far (the lowest rank on
 a tie). The learner writes `assign_owners(shapes, world_size)`; the check compares it with
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from ... import muon_theory as mt
+from ...wholematrix import muon_theory as mt
 
 
 # --- the reference solution ------------------------------------------------------------------
@@ -154,7 +154,7 @@ def grade(name: str, functions: dict, impl: str, nproc: int, timeout: float):
         tiny = next((s, n) for label, s, n in cs if "tiny" in label and n == 4)
         big = cs[-1]
         lines = [f"assign_owners equals torch's ZeroRedundancyOptimizer's greedy partition "
-                 f"(zerolab.muon_theory.assign_owners) on all {len(cs)} cases: hand-made ones for "
+                 f"(zerolab.wholematrix.muon_theory.assign_owners) on all {len(cs)} cases: hand-made ones for "
                  f"each usual mistake, 300 random ones, the course's GPT on 2-4 ranks, 7.5B on 64"]
         for label, shapes, n in ((f"GPT tiny, {tiny[1]} ranks", *tiny), (big[0], big[1], big[2])):
             loads = mt.loads(_numels(shapes), assign_owners(shapes, n), n)

@@ -156,7 +156,7 @@ def _zero1(functions, notes):
 
 def _zero2(functions, notes):
     fn, fname = functions["reduce_scatter_bucket"], "reduce_scatter_bucket"
-    from ...guards import ShardedGrad
+    from ...loop.guards import ShardedGrad
 
     def reduce_scatter_bucket(comm, unit, world_size):
         n = world_size

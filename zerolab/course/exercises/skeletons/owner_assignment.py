@@ -1,4 +1,4 @@
-# Exercise (k): the owner of each whole matrix (notebook 08b; zerolab/muon_owner.py).
+# Exercise (k): the owner of each whole matrix (notebook 08b; zerolab/wholematrix/muon_owner.py).
 # Check: zerolab check owner_assignment --impl my_owner_assignment.py
 # Muon, Adafactor and LAMB read a parameter's whole matrix, so a sharded optimizer gives every
 # parameter to ONE rank, its owner, which keeps its state and steps it whole. torch's

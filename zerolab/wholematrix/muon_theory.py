@@ -3,7 +3,7 @@
 Idea: Muon (Jordan et al. 2024; torch.optim.Muon), Adafactor and LAMB read a parameter's whole
 matrix (Muon orthogonalises it, Adafactor factors its second moment by rows and columns, LAMB
 scales it by its norm), so ZeRO's flat 1/N ranges cannot step them. Three layouts make a matrix
-whole somewhere (zerolab/muon_owner.py, muon_a2a.py, muon_replicate.py); this module gives what
+whole somewhere (zerolab/wholematrix/muon_owner.py, muon_a2a.py, muon_replicate.py); this module gives what
 each costs a rank per step, from the parameters' shapes alone (no torch.distributed), so the
 ledger of a run can be held to it and `table` can price a 7.5B model on 64 ranks.
 

@@ -14,8 +14,8 @@ gathered block alive. Two knobs change *when*, never what is moved:
   again: one all_gather fewer a step, the root's full weights held in between (FSDP2 keeps its
   root so). It overrides ZeRO3.reshard_after_forward.
 
-Both are mixins over ZeRO3 and its subclasses (zerolab.hybrid's HSDP, HpZ): `class X(PrefetchDepth,
-ZeRO3)`; zerolab.compose builds them.
+Both are mixins over ZeRO3 and its subclasses (zerolab.variants.hybrid's HSDP, HpZ): `class X(PrefetchDepth,
+ZeRO3)`; zerolab.variants.compose builds them.
 
     python -m zerolab train --stage 3 --zero3-prefetch-depth 2 --zero3-keep-root
 """

@@ -1,7 +1,7 @@
 """Leaf modules: a group of blocks gathered and reduced as one unit, whatever order they run in.
 
 ZeRO-3 gathers a unit's weights when its block is about to run, and every rank must issue those
-all_gathers (and the backward's reduce_scatters) in one order (`zerolab.order`). A mixture of
+all_gathers (and the backward's reduce_scatters) in one order (`zerolab.loop.order`). A mixture of
 experts breaks that when each expert is a unit: the router sends each rank's tokens to the
 experts in an order (and a number) that depends on the rank's data. Marking the MoE layer a leaf
 makes it one unit: its forward gathers every expert's weights at once, the experts run in any
@@ -10,7 +10,7 @@ kind per layer, the same on every rank, at the price of every expert's weights a
 layer runs. DeepSpeed's `deepspeed.utils.set_z3_leaf_modules` does the same; with FSDP2's
 `fully_shard`, shard the layer and not its experts.
 
-    from zerolab.leaves import set_leaf_modules
+    from zerolab.loop.leaves import set_leaf_modules
     set_leaf_modules(model, [MoELayer])     # before the strategy is built
 
 `sharding.build_units` and `sharding.module_blocks` read the mark.
@@ -70,7 +70,7 @@ def group_blocks(model: torch.nn.Module, blocks: list) -> list:
 
 def holders(model: torch.nn.Module, units) -> dict[str, str]:
     """{unit name: class name of the layer that holds its block} - the class to pass to
-    set_leaf_modules when those blocks run in a varying order (`zerolab.order`'s advice). A
+    set_leaf_modules when those blocks run in a varying order (`zerolab.loop.order`'s advice). A
     container (ModuleList, ModuleDict, Sequential) is looked through to the layer above it."""
     parent = {id(c): m for m in model.modules() for c in m.children()}
     containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)

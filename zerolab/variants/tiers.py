@@ -10,7 +10,7 @@ the world Comm's ledger, each record tagged with its tier. From them:
 - `hierarchical_all_reduce`: reduce_scatter inside the node, all_reduce of the 1/k chunk across
   nodes, all_gather inside (NCCL's tree is such a hierarchy): rings of k and m ranks instead of
   N, about the same bytes on a NIC as a flat ring with a NIC per GPU;
-- hybrid sharding (`zerolab.hybrid`): HSDP shards over `intra` and all_reduces each gradient shard
+- hybrid sharding (`zerolab.variants.hybrid`): HSDP shards over `intra` and all_reduces each gradient shard
   over `inter`; hpZ gathers the backward's weights over `intra` from a secondary shard.
 
 `hybrid_traffic_bytes` and `hybrid_state_bytes` are their per-rank bytes by group, the formulas the
@@ -33,10 +33,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import theory
-from .comm import Comm, Handle
+from .. import theory
+from ..comm import Comm, Handle
 
-KINDS = ("zero3", "hsdp", "hpz")          # flat ZeRO-3 and its two hybrids (zerolab.hybrid)
+KINDS = ("zero3", "hsdp", "hpz")          # flat ZeRO-3 and its two hybrids (zerolab.variants.hybrid)
 
 
 def node_comms(ranks_per_node: int, parent: Comm | None = None) -> tuple[Comm, Comm]:
@@ -195,7 +195,7 @@ def zeropp_traffic_bytes(shard_numels, world_size: int, ranks_per_node: int,
     ("world", "intra", "inter"; `hybrid_traffic_bytes`' keys) and op, from the units' padded shard
     sizes s_u = Ψ_u/N in elements (blocks restart in every chunk, as `theory.quantized_bytes`).
     weights "int8" (qwZ) or None (bf16), grads "int8"/"int4" (qgZ) or None, hpz: the backward
-    gathers inside the node (zerolab.hybrid.HpZ; qgZ then runs in two hops). W(s), Q(s): bytes of
+    gathers inside the node (zerolab.variants.hybrid.HpZ; qgZ then runs in two hops). W(s), Q(s): bytes of
     a weight / gradient chunk of s values (quantized, or s·2 in bf16); N = k·m:
 
         world  all_gather   (N-1)·ΣW(s_u) for the forward, the same again for the backward

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from .ddp import DDP
-from .sharding import alloc_storage, free_storage, global_used, on_pre_backward
-from .zero3 import SHARDED, ZeRO3
+from ..ddp import DDP
+from ..sharding import alloc_storage, free_storage, global_used, on_pre_backward
+from ..zero3 import SHARDED, ZeRO3
 
 
 class LoopStepDDP(DDP):

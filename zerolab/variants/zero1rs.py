@@ -17,8 +17,8 @@ back into a sum and the stale rest into zeros, so that it accumulates (`claim`).
 """
 from __future__ import annotations
 
-from .guards import claim_grads, shard_grads
-from .zero1 import ZeRO1
+from ..loop.guards import claim_grads, shard_grads
+from ..zero1 import ZeRO1
 
 
 class ReduceScatterZeRO1(ZeRO1):

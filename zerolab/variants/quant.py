@@ -20,7 +20,7 @@ weights and one reduce_scatter of the bf16 gradients. ZeRO++ keeps *when* they r
   (`reduce_scatter_two_hop`, the paper's section 3.3, Figures 5-6): an all_to_all inside the
   node, a dequantize and sum of the node's k contributions, a requantize, then an all_to_all
   across nodes. Done in one hop, each rank would send its own unreduced chunks across, k
-  times the bytes. hpZ (zerolab.hybrid.HpZ) switches its Comm to the two hops (`by_node`).
+  times the bytes. hpZ (zerolab.variants.hybrid.HpZ) switches its Comm to the two hops (`by_node`).
 
 Block-wise symmetric quantization, b bits (int8: b = 8, q = 127; int4: b = 4, q = 7): the values
 are cut into blocks of B consecutive elements (the last one may be short); each block keeps one
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import theory
+from .. import theory
 
 DEFAULT_BLOCK = 256                     # elements per scale
 SCALE_DTYPE = torch.float32             # theory.SCALE_BYTES = 4 bytes per block
@@ -91,7 +91,7 @@ class Quantize:
             return spec if (spec.weights or spec.grads) else None
         if isinstance(spec, dict):
             return cls.of(cls(**{k: (v or None) if k != "block" else v for k, v in spec.items()}))
-        raise ValueError(f"quantize {spec!r} must be a zerolab.quant.Quantize or a dict "
+        raise ValueError(f"quantize {spec!r} must be a zerolab.variants.quant.Quantize or a dict "
                          "(weights=, grads=, block=)")
 
 

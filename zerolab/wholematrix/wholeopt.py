@@ -1,9 +1,9 @@
 """What the three distributed-Muon layouts share: the AdamW fallback split, owners, buffers, step.
 
-Idea: a whole-matrix optimizer (torch.optim.Muon, torch.optim.Adafactor, zerolab.lamb.Lamb)
+Idea: a whole-matrix optimizer (torch.optim.Muon, torch.optim.Adafactor, zerolab.wholematrix.lamb.Lamb)
 cannot step ZeRO's flat 1/N ranges. Each layout (muon_owner.py, muon_a2a.py,
 muon_replicate.py) is a torch-like optimizer over a replicated model's parameters whose step is
-the same four methods in the same order, so `diff zerolab/muon_owner.py zerolab/muon_a2a.py`
+the same four methods in the same order, so `diff zerolab/wholematrix/muon_owner.py zerolab/wholematrix/muon_a2a.py`
 shows only where the matrix is made whole:
 
     reduce      sum this rank's gradients with the others' (a reduce_scatter into pieces)
@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from . import muon_theory as mt
-from .comm import Comm
+from ..comm import Comm
 
 
 def muon_param_groups(model: nn.Module, *, muon: dict | None = None, adamw: dict | None = None,

@@ -56,9 +56,9 @@ import time
 
 import torch
 
-from . import theory
-from .guards import take_changed, take_replaced
-from .optim import clip_grad_norm_, optimizer_states
+from .. import theory
+from ..loop.guards import take_changed, take_replaced
+from ..optim import clip_grad_norm_, optimizer_states
 
 HOST = torch.device("cpu")
 #: the categories of host memory (zerolab.memory counts "host_*" apart from the device's)

@@ -31,7 +31,7 @@ one, so a difference stops every rank with one line instead of pairing collectiv
 
 The fix the message gives: make every rank issue the same sequence - call the blocks in one
 order, or make a group of blocks whose order varies one unit, gathered and reduced together
-(`zerolab.leaves.set_leaf_modules`, DeepSpeed's `set_z3_leaf_modules`; with `fully_shard`,
+(`zerolab.loop.leaves.set_leaf_modules`, DeepSpeed's `set_z3_leaf_modules`; with `fully_shard`,
 shard the parent module only).
 
 NCCL: `Work.wait()` does not block the host there (it orders the CUDA stream), so this check does

@@ -24,25 +24,26 @@ Every other option (max_grad_norm, find_unused_parameters, grad_dtype, bucket_mb
 goes to the stage as it is (`strategy.Strategy`). A variant option given to a stage that has no
 such variant raises ValueError (one line) naming it and the stages that take it.
 
-    from zerolab.compose import make_strategy
+    from zerolab.variants.compose import make_strategy
     s = make_strategy(3, model, comm, prefetch=2, keep_root=True, lr=1e-3)
 """
 from __future__ import annotations
 
-from . import muon_theory, theory
-from .ddp import DDP
+from .. import theory
+from ..wholematrix import muon_theory
+from ..ddp import DDP
 from .hybrid import HYBRIDS, HpZ, HSDP
-from .muon_a2a import MuonAllToAll
-from .muon_owner import MuonOwner
-from .muon_replicate import MuonReplicate
+from ..wholematrix.muon_a2a import MuonAllToAll
+from ..wholematrix.muon_owner import MuonOwner
+from ..wholematrix.muon_replicate import MuonReplicate
 from .offload import Offloaded
 from .placement import DEFAULT_GATHER, GATHER_MODES, Deferred
 from .prefetch import DEFAULT_PREFETCH, KeepRoot, PrefetchDepth, check_depth
 from .quant import Quantize, quantized_comm
-from .zero1 import ZeRO1
+from ..zero1 import ZeRO1
 from .zero1rs import ReduceScatterZeRO1
-from .zero2 import ZeRO2
-from .zero3 import ZeRO3
+from ..zero2 import ZeRO2
+from ..zero3 import ZeRO3
 
 STAGE_CLASSES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
 #: the stages that take each variant option (any other stage: its default only)
@@ -92,7 +93,7 @@ def make_strategy(stage: int, model, comm, *, grad_op="all_reduce", gather=DEFAU
         raise ValueError("quantize does not go with hybrid 'hsdp' (its gathers and reduce_scatters "
                          "stay inside a node): use hybrid 'hpz' (ZeRO++: hpZ + qwZ + qgZ)")
     if (hybrid is None) != (ranks_per_node is None):
-        raise ValueError("hybrid and ranks_per_node go together (ZeRO-3 by node: zerolab.hybrid)")
+        raise ValueError("hybrid and ranks_per_node go together (ZeRO-3 by node: zerolab.variants.hybrid)")
     cls = strategy_class(stage, grad_op=grad_op, gather=gather, offload=offload,
                          prefetch=prefetch, keep_root=keep_root, hybrid=hybrid)
     extra = {"offload": offload} if offload else {}

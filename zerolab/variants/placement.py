@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .guards import is_placeholder
+from ..loop.guards import is_placeholder
 
 GATHER_MODES = ("after_step", "before_forward")
 # The default, chosen from measurements (`python -m zerolab.course.gather_placement

@@ -3,7 +3,7 @@
 Idea: flat ZeRO-3 (zero3.py) runs every all_gather and reduce_scatter on rings through all N
 ranks; on a cluster each of those rings crosses nodes (NCCL runs one ring per NIC: 1/k of a rank's
 ring bytes go over its NIC, the rest inside the node) and pays N-1 latency steps. Two ways keep
-ZeRO-3's per-block traffic inside a node of k ranks (m = N/k nodes; `zerolab.tiers`):
+ZeRO-3's per-block traffic inside a node of k ranks (m = N/k nodes; `zerolab.variants.tiers`):
 
 - HSDP (FSDP's HYBRID_SHARD; FSDP2's `fully_shard(mesh=(replicate, shard))`): ZeRO-3 inside each
   node - every state sharded over the node's k ranks only, 16Ψ/k bytes a rank - and plain data
@@ -16,7 +16,7 @@ ZeRO-3's per-block traffic inside a node of k ranks (m = N/k nodes; `zerolab.tie
   block's forward each rank keeps a secondary shard, its 1/k of the full weights among its node's
   k ranks (2Ψ/k bytes in all from forward into backward), and the block's backward all_gather runs
   inside the node from those. One of ZeRO-3's three crossings a step moves inside. With ZeRO++'s
-  quantized collectives (zerolab.quant: qwZ's int8 forward gather, qgZ's int4 gradients in two
+  quantized collectives (zerolab.variants.quant: qwZ's int8 forward gather, qgZ's int4 gradients in two
   hops, one all_to_all a tier) it is ZeRO++ as the paper builds it: `tiers.zeropp_traffic_bytes`.
 
 Skeleton: both are ZeRO3 with its hooks overridden - `diff` shows nothing else changes: who is
@@ -38,11 +38,11 @@ import contextlib
 
 import torch
 
-from .guards import (check_edits, check_untouched, fingerprint, sync_module_states,
+from ..loop.guards import (check_edits, check_untouched, fingerprint, sync_module_states,
                      take_replaced)
-from .sharding import alloc_storage, storage_bytes
+from ..sharding import alloc_storage, storage_bytes
 from .tiers import node_comms
-from .zero3 import ZeRO3
+from ..zero3 import ZeRO3
 
 HYBRIDS = ("hsdp", "hpz")
 

@@ -161,7 +161,7 @@ def _placeholders(optimizer, args, kwargs):
                     raise ShardedValues(
                         f"{why} ({type(optimizer).__name__}.step() read its {what}; step with "
                         "strategy.step(), the strategy's AdamW, not an optimizer of your own - "
-                        "Muon and other whole-matrix ones: zerolab.compose.make_muon over a "
+                        "Muon and other whole-matrix ones: zerolab.variants.compose.make_muon over a "
                         "replicated model)")
 
 
