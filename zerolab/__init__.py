@@ -69,9 +69,10 @@ the cli imports them all); `import-linter` checks this on every test run (the co
 pyproject.toml).
 `from zerolab import nb` is the notebooks' door to `zerolab.course.nb`, resolved on first use.
 """
-from .compose import make_strategy
+from .compose import make_muon, make_strategy
 from .ddp import DDP
 from .leaves import set_leaf_modules
+from .wholeopt import muon_param_groups
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3
