@@ -12,9 +12,9 @@ Idea: every launch that writes into an output folder OUT is one *run* with an id
   same command can be typed again and again; `overwrite=True` deletes that run's files instead
   (only the paths its manifest names as outputs, never anything else, and never through a
   symbolic link: a link is removed itself, what it points to stays); `previous="refuse"`
-  refuses the folder; a result path holding anything no zerolab run wrote (a file the old
-  manifest does not name, a link) is refused in one line, and nothing is moved or deleted
-  (`not_written`);
+  refuses the folder; keeping refuses, in one line and moving nothing, a result path that
+  holds anything no zerolab run wrote (a file the old manifest does not name, a link:
+  `not_written`);
 - writes OUT/run.json: run id, command, arguments, world size, start time, versions, status.
 
 Every file a run writes carries its run id (a "run_id" key in JSON files and torch files, PNG
@@ -353,8 +353,9 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
             what = (f"run {old['run_id']} ({old.get('command')}, started {old.get('started')}, "
                     f"{old.get('status')})" if old else f"{len(held)} result path(s) of an earlier run")
             keep = []
-            alien = [] if continues(out, resume) else not_written(out, held, old)
-            if alien and previous != "refuse":
+            alien = not_written(out, held, old) if previous == "keep" and not continues(
+                out, resume) else []
+            if alien:
                 if not had_lock:                # touching nothing: not even a lock file
                     os.unlink(out / LOCK)
                 more = f" (and {len(alien) - 1} more)" if len(alien) > 1 else ""
