@@ -47,8 +47,10 @@ A backend whose Work cannot wait with a timeout (torch's threaded process group,
 FSDP2 tests run on) waits without one: the order check is off there, said once (a warning).
 
 NCCL: `Work.wait()` does not block the host there (it orders the CUDA stream), so this check does
-not run; NCCL's own watchdog reports a stuck collective at the group's timeout
-(TORCH_NCCL_DESYNC_DEBUG=1 names the ranks out of step).
+not run; NCCL's own watchdog reports a stuck collective at the group's timeout (the run's
+--timeout). zerolab's launches set TORCH_NCCL_DESYNC_DEBUG=1 (the report names the ranks out of
+step) and the flight recorder (each rank's last collectives, written on a timeout; read them
+with `torchfrtrace`): zerolab.run.launch.nccl_watch.
 """
 from __future__ import annotations
 

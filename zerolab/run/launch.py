@@ -123,6 +123,25 @@ def torchrun_command(module_args: list[str], nproc: int, *, module: str = "zerol
     return cmd + (["--local-addr", "127.0.0.1"] if loopback else []) + ["-m", module, *module_args]
 
 
+#: where the NCCL flight recorder writes each rank's last collectives when one times out (one file
+#: per rank, nccl_trace_rank_<r>); read them with `torchfrtrace FOLDER`
+TRACE_DIR = os.path.join(tempfile.gettempdir(), "zerolab-nccl-traces")
+
+
+def nccl_watch() -> dict[str, str]:
+    """What torch offers to find a stuck NCCL collective, for every launch (a variable the user
+    set wins): on a timeout the watchdog names the ranks out of step (TORCH_NCCL_DESYNC_DEBUG),
+    and each rank's flight recorder - its last 2000 collectives, with sizes, states and stacks
+    (TORCH_NCCL_TRACE_BUFFER_SIZE) - is written to TRACE_DIR (TORCH_NCCL_DUMP_ON_TIMEOUT). The
+    timeout itself is the run's --timeout (seconds), given to init_process_group. gloo ignores
+    them all (zerolab.order watches gloo)."""
+    with contextlib.suppress(OSError):
+        os.makedirs(TRACE_DIR, exist_ok=True)
+    return {"TORCH_NCCL_DESYNC_DEBUG": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": os.path.join(TRACE_DIR, "nccl_trace_rank_")}
+
+
 def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = None,
         tail_lines: int = 60, grace: float = 35.0) -> str:
     """Run `cmd` in its own process group, echoing each output line; return all output.
@@ -143,7 +162,7 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     tree = _Tree()
     try:
         private = tempfile.mkdtemp(prefix=f"zerolab-run-{os.getpid()}-")
-        env = child_env({**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": private,
+        env = child_env({**nccl_watch(), **os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": private,
                          "JUPYTER_RUNTIME_DIR": os.path.join(private, "jupyter"), **(env or {})})
         if sys.platform == "linux" and os.path.isdir("/sys/class/net/lo") and "127.0.0.1" in cmd:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # all on this machine: gloo on loopback
