@@ -23,7 +23,7 @@ import torch
 
 from .guards import check_edits, take_replaced
 from .optim import adam_state
-from .order import confirm
+from .order import LateBlocks, confirm
 from .sharding import keep_own_range
 
 
@@ -79,11 +79,16 @@ class ZeRO3Loop:
         or out of order first confirms that every rank does the same (else one line, every
         rank)."""
         u = self.blocks[upto] if upto < len(self.blocks) else None
+        late = self.__dict__.setdefault("late", LateBlocks())
         if (u is not None and upto < self.next_block
                 and not (u.gathered or self.pinned or u.name in self.prefetched)):
             confirm(self.comm, f"all_gather params {u.name} (called again or out of order)",
                     u.name)
+            late.called(u.name)
         for skipped in self.blocks[self.next_block:upto]:
             self._gather(skipped)
             self._free(skipped)
+            late.skipped(skipped.name)
         self.next_block = max(self.next_block, upto)
+        if u is None:
+            late.end_of_forward(self.comm.records)
