@@ -77,19 +77,22 @@ def test_make_muon_and_muon_param_groups_are_importable_from_zerolab():
 
 
 def dcp_save_worker(rank, n, folder):
-    """Train 2 steps on N ranks, then save the full state dict with torch.distributed.checkpoint;
-    the weights after a 3rd step are the reference the loading world must reach."""
+    """Train 2 steps on N ranks (AdamW), then save the full model and optimizer state with
+    torch.distributed.checkpoint; the weights after a 3rd step are the reference the loading
+    world must reach."""
     import torch.distributed.checkpoint as dcp
+
+    from zerolab.torchlike.checkpoint import full_optim_state_dict
     torch.manual_seed(0)
     model = wrap("fsdp", Net())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         loss_of(model, step, rank, n).backward()
         opt.step()
         opt.zero_grad()
     full = model.full_state_dict()
     model.load_state_dict(full)                 # the natural first try: it loads
-    dcp.save({"model": full}, checkpoint_id=folder)
+    dcp.save({"model": full, "optim": full_optim_state_dict(model, opt)}, checkpoint_id=folder)
     loss_of(model, 2, rank, n).backward()
     opt.step()
     return {k: v.detach() for k, v in model.full_state_dict().items()}
@@ -104,18 +107,24 @@ def loss_of(model, step, rank, n):
 
 def dcp_load_worker(rank, m, folder):
     import torch.distributed.checkpoint as dcp
+
+    from zerolab.torchlike.checkpoint import empty_optim_state_dict, load_full_optim_state_dict
     torch.manual_seed(rank + 5)                 # not the saved weights
-    target = {"model": {k: torch.empty_like(v) for k, v in Net().state_dict().items()}}
-    dcp.load(target, checkpoint_id=folder)
     model = wrap("fsdp", Net())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    target = {"model": {k: torch.empty_like(v) for k, v in Net().state_dict().items()},
+              "optim": empty_optim_state_dict(model, folder)}
+    dcp.load(target, checkpoint_id=folder)
     model.load_state_dict(target["model"])      # full tensors: this rank's rows
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    load_full_optim_state_dict(model, opt, target["optim"])
     loss_of(model, 2, rank, m).backward()
     opt.step()
     return {k: v.detach() for k, v in model.full_state_dict().items()}
 
 
-def test_a_full_state_dict_saved_with_dcp_at_2_ranks_loads_at_3_and_trains_on_alike(tmp_path):
+def test_a_full_checkpoint_saved_with_dcp_at_2_ranks_loads_at_3_and_trains_on_alike(tmp_path):
+    """Model and AdamW state saved at 2 ranks, loaded at 3: the step after the load gives the
+    weights the 2-rank run reached (its own 3rd step)."""
     saved = run_ranks(dcp_save_worker, 2, str(tmp_path / "ck"), timeout=90)[0]
     loaded = run_ranks(dcp_load_worker, 3, str(tmp_path / "ck"), timeout=90)
     for r in loaded:
