@@ -101,3 +101,17 @@ def test_each_numeric_lab_parameter_refuses_a_bad_value_in_one_line(name, kind):
         said = str(err.value)
         assert "\n" not in said and said.startswith(f"{name} = "), said
         assert bounds.describe(*rng) in said, said
+
+
+@pytest.mark.parametrize("name", ["muon_link_gbps", "link_latency_us"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, 1e30])
+def test_lab9_reads_its_link_numbers_with_their_range(name, value):
+    """Where the package reads lab 9's parameters (a notebook run by papermill, no -p)."""
+    from zerolab.course import wholematrix
+    given = dict(muon_world_sizes=[2], layouts=["owner"], preset="tiny", steps=4,
+                 muon_link_gbps=1.0, link_latency_us=100.0, out=None)
+    with pytest.raises(labs.LabParameterError) as err:
+        wholematrix.lab_parameters(**{**given, name: value})
+    said = str(err.value)
+    assert said.startswith(f"{name} = ") and "\n" not in said
+    assert bounds.describe(*bounds.range_of(name, False)) in said, said
