@@ -111,7 +111,8 @@ def test_the_top_of_the_package_is_the_lesson():
     lesson = {"theory", "model", "data", "guards", "hooks", "comm", "sharding", "optim", "memory",
               "quant", "offload", "tiers", "strategy", "ddp", "zero1", "zero2", "zero3", "hybrid",
               "placement", "prefetch", "zero1rs", "loopstep", "compose", "order", "leaves", "zero3loop",
-              "factored", "muon_theory", "lamb", "wholeopt", "muon_owner", "muon_a2a", "muon_replicate"}
+              "factored", "muon_theory", "lamb", "replicas", "wholeopt", "muon_owner", "muon_a2a",
+              "muon_replicate"}
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__"}
     assert top == lesson
     doc = (PACKAGE / "__init__.py").read_text()

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from zerolab.run import launch
+from zerolab.run import launch, preflight
 
 SHOW = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in ("
         "'TORCH_NCCL_DESYNC_DEBUG', 'TORCH_NCCL_TRACE_BUFFER_SIZE', 'TORCH_NCCL_DUMP_ON_TIMEOUT', "
@@ -23,4 +23,4 @@ def test_a_launch_sets_the_nccl_desync_report_and_flight_recorder(monkeypatch):
     assert int(got["TORCH_NCCL_TRACE_BUFFER_SIZE"]) >= 1000
     assert got["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     folder = os.path.dirname(got["TORCH_FR_DUMP_TEMP_FILE"])
-    assert os.path.isdir(folder) and folder == launch.TRACE_DIR      # exists, outlives the run
+    assert os.path.isdir(folder) and folder == preflight.TRACE_DIR   # exists, outlives the run

@@ -44,6 +44,8 @@ ranges cannot step, in three layouts that make each matrix whole somewhere:
 
     muon_theory owners (greedy by size), bytes, Newton-Schulz FLOPs and held bytes per layout
     lamb        LAMB written from its paper (You et al. 2020, Algorithm 2), a torch optimizer
+    replicas    every rank holds the same weights, checked (one all_reduce of a hash) where an
+                optimizer assumes it (the layouts, torchlike's ZeRO optimizer and Adafactor)
     wholeopt    the layouts' frame: the AdamW fallback split, reduce / route / update / route_back
     muon_owner  whole parameters owned by ranks (torch's ZeroRedundancyOptimizer's partition)
     muon_a2a    dim-0 shards sent to each matrix's owner and back with all_to_all (torchtitan)

@@ -50,7 +50,7 @@ NCCL: `Work.wait()` does not block the host there (it orders the CUDA stream), s
 not run; NCCL's own watchdog reports a stuck collective at the group's timeout (the run's
 --timeout). zerolab's launches set TORCH_NCCL_DESYNC_DEBUG=1 (the report names the ranks out of
 step) and the flight recorder (each rank's last collectives, written on a timeout; read them
-with `torchfrtrace`): zerolab.run.launch.nccl_watch.
+with `torchfrtrace`): zerolab.run.preflight.nccl_watch.
 """
 from __future__ import annotations
 
@@ -418,43 +418,3 @@ def agree(comm, sync: bool, since: int, device="cpu") -> int:
             "blocks in the same sequence (FSDP2 too); skipping blocks is fine")
     return len(records)
 
-
-class LateBlocks:
-    """ZeRO-3's blocks called out of their registration order, per forward: a block skipped at
-    its turn is gathered (or prefetched) and freed anyway, so every rank issues the same
-    all_gathers, and gathered again when it is called - gathers an on-demand gather (FSDP2's)
-    would not issue. Said once per strategy, at the end of the first forward that has any: the
-    blocks, and the extra all_gathers counted in the ledger (this forward's, beyond one per
-    unit), with what makes them free."""
-
-    def __init__(self):
-        self.skipped_now, self.late, self.said = set(), [], False
-
-    def skipped(self, name: str):
-        self.skipped_now.add(name)
-
-    def called(self, name: str):
-        if name in self.skipped_now:
-            self.late.append(name)
-
-    def end_of_forward(self, records):
-        if self.late and not self.said:
-            self.said = True
-            gathers = []
-            for r in reversed(records):         # this forward: the ledger's forward tail
-                if r.phase != "forward":
-                    break
-                if r.op == "all_gather" and r.what == "params":
-                    gathers.append(r.unit)
-            warnings.warn(late_line(self.late, len(gathers) - len(set(gathers))),
-                          RuntimeWarning, stacklevel=4)
-        self.skipped_now, self.late = set(), []
-
-
-def late_line(names, extra: int) -> str:
-    """One line: the blocks called after a block registered later, and the extra gathers."""
-    return (f"ZeRO-3: blocks {', '.join(names)} ran after a block registered after them (the "
-            f"registration order is the gather order): {extra} extra all_gather(s) in this "
-            "forward, as each is gathered at its turn and again when called; register the "
-            "blocks in the order forward calls them (a ModuleDict: insert its keys in that "
-            "order), or make them one unit (zerolab.set_leaf_modules)")

@@ -12,9 +12,8 @@ Idea: every launch that writes into an output folder OUT is one *run* with an id
   same command can be typed again and again; `overwrite=True` deletes that run's files instead
   (only the paths its manifest names as outputs, never anything else, and never through a
   symbolic link: a link is removed itself, what it points to stays); `previous="refuse"`
-  refuses the folder; keeping refuses, in one line and moving nothing, a result path that
-  holds anything no zerolab run wrote (a file the old manifest does not name, a link:
-  `not_written`);
+  refuses the folder; keeping refuses (one line, nothing moved) a result path holding what no
+  run wrote (`not_written`);
 - writes OUT/run.json: run id, command, arguments, world size, start time, versions, status.
 
 Every file a run writes carries its run id (a "run_id" key in JSON files and torch files, PNG
@@ -262,27 +261,19 @@ def _human(nbytes: int) -> str:
 
 
 def not_written(out: Path, held: list[Path], manifest: dict | None) -> list[str]:
-    """The entries under the result paths `held` (OUT/stage0, ...) that no zerolab run wrote,
-    relative to OUT: files the manifest's list (`Run.finish`) does not name - for a run that
-    did not finish (no list), files older than its start - and every symbolic link (a run
-    never makes one). Dot-files (a run's temporary files) count as the run's."""
-    written = set((manifest or {}).get("files", []))
-    started = None
+    """Entries under the result paths `held` that no zerolab run wrote, relative to OUT: files
+    the manifest's list (`Run.finish`) lacks - for a run that never finished (no list), files
+    older than its start - and every link (a run makes none). Dot-files count as the run's."""
+    written, started = set((manifest or {}).get("files", [])), None
     if manifest and "files" not in manifest:
-        try:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
             started = datetime.datetime.fromisoformat(manifest["started"]).timestamp() - 2
-        except (KeyError, TypeError, ValueError):
-            started = None
     alien = []
     for p in held:
-        inside = p.rglob("*") if p.is_dir() and not p.is_symlink() else []
-        for q in [p, *inside]:
+        for q in [p, *(p.rglob("*") if p.is_dir() and not p.is_symlink() else [])]:
             rel = q.relative_to(out).as_posix()
-            if q.is_symlink():
-                alien.append(rel)
-            elif q.is_dir() or q.name.startswith(".") or rel in written:
-                continue
-            elif started is None or q.stat().st_mtime < started:
+            if q.is_symlink() or not (q.is_dir() or q.name.startswith(".") or rel in written
+                                      or (started is not None and q.stat().st_mtime >= started)):
                 alien.append(rel)
     return sorted(alien)
 
@@ -356,13 +347,12 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
             alien = not_written(out, held, old) if previous == "keep" and not continues(
                 out, resume) else []
             if alien:
-                if not had_lock:                # touching nothing: not even a lock file
+                if not had_lock:                # touching nothing at all
                     os.unlink(out / LOCK)
                 more = f" (and {len(alien) - 1} more)" if len(alien) > 1 else ""
-                raise RunFolderError(
-                    f"--out {str(out)!r}: {alien[0]}{more} sits where zerolab {command} writes its "
-                    "results but no zerolab run wrote it (OUT/run.json does not name it); "
-                    "nothing was moved: move it out of that folder, or choose another --out")
+                raise RunFolderError(f"--out {str(out)!r}: {alien[0]}{more} sits where zerolab "
+                                     f"{command} writes results, and no zerolab run wrote it; "
+                                     "nothing was moved: move it out, or choose another --out")
             if continues(out, resume):          # keep the whole checkpoints folder it is in
                 src = Path(resume).resolve()
                 keep = [src.parent if src.parent.name == "checkpoints" else src]

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from .preflight import child_env
+from .preflight import child_env, nccl_watch
 from .resources import describe, in_output
 
 
@@ -121,25 +121,6 @@ def torchrun_command(module_args: list[str], nproc: int, *, module: str = "zerol
            "--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
            "--rdzv-backend", "static", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
     return cmd + (["--local-addr", "127.0.0.1"] if loopback else []) + ["-m", module, *module_args]
-
-
-#: where the NCCL flight recorder writes each rank's last collectives when one times out (one file
-#: per rank, nccl_trace_rank_<r>); read them with `torchfrtrace FOLDER`
-TRACE_DIR = os.path.join(tempfile.gettempdir(), "zerolab-nccl-traces")
-
-
-def nccl_watch() -> dict[str, str]:
-    """What torch offers to find a stuck NCCL collective, for every launch (a variable the user
-    set wins): on a timeout the watchdog names the ranks out of step (TORCH_NCCL_DESYNC_DEBUG),
-    and each rank's flight recorder - its last 2000 collectives, with sizes, states and stacks
-    (TORCH_NCCL_TRACE_BUFFER_SIZE) - is written to TRACE_DIR (TORCH_NCCL_DUMP_ON_TIMEOUT). The
-    timeout itself is the run's --timeout (seconds), given to init_process_group. gloo ignores
-    them all (zerolab.order watches gloo)."""
-    with contextlib.suppress(OSError):
-        os.makedirs(TRACE_DIR, exist_ok=True)
-    return {"TORCH_NCCL_DESYNC_DEBUG": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_FR_DUMP_TEMP_FILE": os.path.join(TRACE_DIR, "nccl_trace_rank_")}
 
 
 def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = None,

@@ -25,6 +25,25 @@ from __future__ import annotations
 import torch
 
 
+def own_rows(name, t, shard):
+    """`t` as `shard` (this rank's piece of a parameter) holds it: this rank's rows when `t` is
+    the full tensor (layout "dim0"), `t` itself otherwise (load_state_dict's own checks then
+    apply). So a fully_shard model's `load_state_dict(model.full_state_dict())` loads at any
+    world size. ValueError (one line) for a full tensor where the layout is "flat"."""
+    if not (getattr(shard, "_zerolab_shard", False) and isinstance(t, torch.Tensor)
+            and t.shape == shard.__dict__["_zerolab_full_shape"] and t.shape != shard.shape):
+        return t
+    if shard.__dict__.get("_zerolab_layout") != "dim0":
+        raise ValueError(f"load_state_dict got the full {name} {tuple(t.shape)}, and this rank "
+                         f"holds a flat piece of it ({tuple(shard.shape)}): load the full state "
+                         "dict into the model before fully_shard (rank 0's values are then "
+                         "broadcast), or shard with layout='dim0'")
+    comm = shard.__dict__["_zerolab_state"].comm
+    chunk = -(-t.shape[0] // comm.world_size)
+    start = min(comm.rank * chunk, t.shape[0])
+    return t[start:start + shard.shape[0]]
+
+
 def _named_shards(model) -> dict:
     return {name: p for name, p in model.named_parameters()}
 
@@ -106,3 +125,21 @@ def load_full_optim_state_dict(model, opt, full: dict):
                 t = t[start:start + p.shape[0]]
             new[key] = t.clone() if isinstance(t, torch.Tensor) else t
         opt.state[p] = new
+
+
+def full_tensors(state, module) -> dict[str, torch.Tensor]:
+    """{name: full tensor} of a fully_shard model (`state`: its root's): one all_gather of each
+    unit's master shard (ledger phase "eval"), the rest as the state_dict holds it."""
+    comm, full = state.comm, {}
+    with torch.no_grad(), comm.phase("eval"):
+        for u in state.strategy.units:
+            packed = torch.empty(u.padded_numel, dtype=u.master.dtype, device=u.master.device)
+            comm.all_gather(packed, u.master, what="params", unit=u.name)
+            natural = packed
+            if u.layout == "dim0":
+                natural = torch.empty_like(packed)
+                u.unpack(packed, natural)
+            for shard, view in zip(u.shard_params, u.views(natural)):
+                full[id(shard)] = view.clone()
+    return {name: full[id(t)] if id(t) in full else t.detach().clone()
+            for name, t in module.state_dict(keep_vars=True).items()}

@@ -43,6 +43,7 @@ from ..leaves import MARK
 from ..loopstep import LoopStepZeRO3, replaced, reshard_unit, shard_unit
 from ..sharding import ROOT, FlatUnit
 from .backward import Backward, cast_floats, in_backward, not_picklable
+from .checkpoint import full_tensors, own_rows
 from .ledger import LedgerComm, one_ledger
 from .optimizers import install_step_check
 
@@ -96,19 +97,15 @@ class FSDPModule:
         """{name: full tensor} under the original names (those of the unwrapped module's
         state_dict), parameters in their own dtype, on every rank: one all_gather of each unit's
         master shard (ledger phase "eval"). A collective: call it on every rank."""
-        return _full_state_dict(self)
+        return full_tensors(_root_state(self), self)
 
     def __getstate__(self):
         raise TypeError(not_picklable("fully_shard", "model.full_state_dict()"))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """torch's, and a full state dict too (`full_state_dict()`'s, or the unsharded model's):
-        a tensor of a sharded parameter's full shape gives this rank its rows (layout "dim0"),
-        so `model.load_state_dict(model.full_state_dict())` loads at any world size. ValueError
-        (one line) for a full tensor where the layout is "flat" (load it into the model before
-        fully_shard instead)."""
+        """torch's, and a full state dict too, at any world size (`checkpoint.own_rows`)."""
         own = self.state_dict(keep_vars=True)
-        return super().load_state_dict({k: _own_rows(k, t, own.get(k))
+        return super().load_state_dict({k: own_rows(k, t, own.get(k))
                                         for k, t in state_dict.items()}, strict, assign)
 
     @property
@@ -442,37 +439,3 @@ def _hooked(module, method, args, kwargs):
         if result is not None:
             output = result
     return output
-
-
-def _own_rows(name, t, shard):
-    """`t` as `shard` (this rank's piece of a parameter) holds it: this rank's rows when `t` is
-    the full tensor, `t` itself otherwise (load_state_dict's own checks then apply)."""
-    if not (getattr(shard, "_zerolab_shard", False) and isinstance(t, torch.Tensor)
-            and t.shape == shard.__dict__["_zerolab_full_shape"] and t.shape != shard.shape):
-        return t
-    if shard.__dict__.get("_zerolab_layout") != "dim0":
-        raise ValueError(f"load_state_dict got the full {name} {tuple(t.shape)}, and this rank "
-                         f"holds a flat piece of it ({tuple(shard.shape)}): load the full state "
-                         "dict into the model before fully_shard (rank 0's values are then "
-                         "broadcast), or shard with layout='dim0'")
-    comm = shard.__dict__["_zerolab_state"].comm
-    chunk = -(-t.shape[0] // comm.world_size)
-    start = min(comm.rank * chunk, t.shape[0])
-    return t[start:start + shard.shape[0]]
-
-
-def _full_state_dict(module) -> dict[str, torch.Tensor]:
-    state = _root_state(module)
-    comm, full = state.comm, {}
-    with torch.no_grad(), comm.phase("eval"):
-        for u in state.strategy.units:
-            packed = torch.empty(u.padded_numel, dtype=u.master.dtype, device=u.master.device)
-            comm.all_gather(packed, u.master, what="params", unit=u.name)
-            natural = packed
-            if u.layout == "dim0":
-                natural = torch.empty_like(packed)
-                u.unpack(packed, natural)
-            for shard, view in zip(u.shard_params, u.views(natural)):
-                full[id(shard)] = view.clone()
-    return {name: full[id(t)] if id(t) in full else t.detach().clone()
-            for name, t in module.state_dict(keep_vars=True).items()}
