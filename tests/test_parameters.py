@@ -89,9 +89,9 @@ def test_good_lab_overrides_are_checked_against_the_labs(capsys, tmp_path):
 @pytest.mark.parametrize("value, says", [
     ("1e8", ["world_size 100,000,000 is more than whatif's 1,000,000 ranks", "zerolab memory"]),
     ("100000001", ["world_size 100,000,001", "1,000,000"]),
-    ("1.5", ["'1.5' is not a whole number of ranks"]),
-    ("nan", ["'nan' is not a whole number"]),
-    ("0", ["'0' is not a whole number of ranks >= 1"]),
+    ("1.5", ["--world-size", "'1.5' is not a whole number", "1 .. 1000000000"]),
+    ("nan", ["--world-size", "'nan' is not a finite number"]),
+    ("0", ["--world-size", "'0' is outside the accepted range: a whole number in 1 .."]),
 ])
 def test_whatif_world_size_is_one_line(value, says, capsys):
     line = _one_line(capsys, ["whatif", "--world-size", value, "--stage", "0"])

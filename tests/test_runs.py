@@ -294,3 +294,54 @@ def test_launcher_echo_drops_torchrun_banner_keeps_its_warnings():
     real = ("W1201 04:49:01.000000 4242 torch/distributed/elastic/multiprocessing/api.py:900] "
             "Sending process 4250 closing signal SIGTERM")
     assert not _noise(real) and not _noise("[stage 0] step 1/2  loss 5.4819")
+
+
+# --- keeping a run moves only what a run wrote -----------------------------------------------------
+@pytest.mark.parametrize("how", ["plain", "stage-link", "out-link", "no-manifest"])
+def test_a_result_path_holding_a_users_file_is_refused_touching_nothing(tmp_path, capsys,
+                                                                          monkeypatch, how):
+    """OUT holds an earlier run and, in its stage0/, a file of the user's (plain; stage0 a link
+    to the user's folder; OUT itself reached through a link; no manifest at all): the new run is
+    refused in one line naming the file, and nothing moves (no OUT.1, every file where it was)."""
+    monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: pytest.fail("launched"))
+    real = tmp_path / "o"
+    old = finished_run(real, 2) if how != "no-manifest" else None
+    mine = tmp_path / "mine"
+    if how == "stage-link":
+        mine.mkdir()
+        (mine / "notes.txt").write_text("mine")
+        for f in (real / "stage0").iterdir():
+            f.unlink()
+        (real / "stage0").rmdir()
+        (real / "stage0").symlink_to(mine)
+        named = "stage0"
+    else:
+        (real / "stage0").mkdir(parents=True, exist_ok=True)
+        (real / "stage0" / "notes.txt").write_text("mine")
+        named = "stage0/notes.txt"
+    out = real
+    if how == "out-link":
+        out = tmp_path / "link"
+        out.symlink_to(real)
+    before = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    code = cli.main(["train", "--nproc", "2", "--preset", "nano", "--steps", "2", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and named in err[0] and "nothing was moved" in err[0], err
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == before
+    assert not list(tmp_path.glob("o.*")) and not list(tmp_path.glob("link.*"))
+    assert (folders.read_manifest(real) or {}).get("run_id") == old
+    assert (mine / "notes.txt" if how == "stage-link" else real / "stage0" / "notes.txt"
+            ).read_text() == "mine"
+
+
+def test_a_run_killed_before_it_listed_its_files_is_still_kept(tmp_path, capsys, monkeypatch):
+    """A run that never finished has no file list: the files made after it started count as its
+    own, so it is kept aside as a finished one is."""
+    monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: "")
+    out = tmp_path / "o"
+    run = folders.begin_run(out, command="compare", args={}, world_size=2)
+    fake_rank(out, run.run_id, 0, 0, 2)
+    os.close(run._lock_fd)                  # killed: no finish(), no file list
+    assert cli.main(["train", "--nproc", "2", "--preset", "nano", "--steps", "2", "--out",
+                     str(out)]) == 0
+    assert (tmp_path / "o.1" / "stage0" / "rank0.json").exists()

@@ -158,9 +158,10 @@ def test_print_script_refuses_what_a_task_would_refuse(capsys):
     assert cli.main(["slurm", "--print-script", "train", "--nnodes", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--nnodes" in err[0] and "leave it out" in err[0], err
-    assert cli.main(["slurm", "--print-script", "--nodes", "0", "train"]) == 2
+    with pytest.raises(SystemExit) as stop:     # argparse refuses the value (its range)
+        cli.main(["slurm", "--print-script", "--nodes", "0", "train"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--nodes 0" in err[0], err
+    assert stop.value.code == 2 and len(err) == 1 and "--nodes" in err[0] and "'0'" in err[0], err
 
 
 FAKE_SRUN = """#!/bin/bash

@@ -46,9 +46,10 @@ run, then course; the cli imports them all); `import-linter` checks this on ever
 contracts in pyproject.toml).
 `from zerolab import nb` is the notebooks' door to `zerolab.course.nb`, resolved on first use.
 """
-from .variants.compose import make_strategy
+from .variants.compose import make_muon, make_strategy
 from .ddp import DDP
 from .loop.leaves import set_leaf_modules
+from .wholematrix.wholeopt import muon_param_groups
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3

@@ -19,6 +19,8 @@ answers, a mixin of `ZeRO3` (`class ZeRO3(ZeRO3Loop, Strategy)`) kept out of the
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .loop.guards import check_edits, take_replaced
@@ -79,11 +81,57 @@ class ZeRO3Loop:
         or out of order first confirms that every rank does the same (else one line, every
         rank)."""
         u = self.blocks[upto] if upto < len(self.blocks) else None
+        late = self.__dict__.setdefault("late", LateBlocks())
         if (u is not None and upto < self.next_block
                 and not (u.gathered or self.pinned or u.name in self.prefetched)):
             confirm(self.comm, f"all_gather params {u.name} (called again or out of order)",
                     u.name)
+            late.called(u.name)
         for skipped in self.blocks[self.next_block:upto]:
             self._gather(skipped)
             self._free(skipped)
+            late.skipped(skipped.name)
         self.next_block = max(self.next_block, upto)
+        if u is None:
+            late.end_of_forward(self.comm.records)
+
+
+class LateBlocks:
+    """ZeRO-3's blocks called out of their registration order, per forward: a block skipped at
+    its turn is gathered (or prefetched) and freed anyway, so every rank issues the same
+    all_gathers, and gathered again when it is called - gathers an on-demand gather (FSDP2's)
+    would not issue. Said once per strategy, at the end of the first forward that has any: the
+    blocks, and the extra all_gathers counted in the ledger (this forward's, beyond one per
+    unit), with what makes them free."""
+
+    def __init__(self):
+        self.skipped_now, self.late, self.said = set(), [], False
+
+    def skipped(self, name: str):
+        self.skipped_now.add(name)
+
+    def called(self, name: str):
+        if name in self.skipped_now:
+            self.late.append(name)
+
+    def end_of_forward(self, records):
+        if self.late and not self.said:
+            self.said = True
+            gathers = []
+            for r in reversed(records):         # this forward: the ledger's forward tail
+                if r.phase != "forward":
+                    break
+                if r.op == "all_gather" and r.what == "params":
+                    gathers.append(r.unit)
+            warnings.warn(late_line(self.late, len(gathers) - len(set(gathers))),
+                          RuntimeWarning, stacklevel=4)
+        self.skipped_now, self.late = set(), []
+
+
+def late_line(names, extra: int) -> str:
+    """One line: the blocks called after a block registered later, and the extra gathers."""
+    return (f"ZeRO-3: blocks {', '.join(names)} ran after a block registered after them (the "
+            f"registration order is the gather order): {extra} extra all_gather(s) in this "
+            "forward, as each is gathered at its turn and again when called; register the "
+            "blocks in the order forward calls them (a ModuleDict: insert its keys in that "
+            "order), or make them one unit (zerolab.set_leaf_modules)")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .. import theory
 from ..variants import offload
-from ..run import job, options
+from ..run import bounds, job, options
 from ..run.folders import atomic_json, check_out_dir, start_run
 from ..run.launch import LaunchError, LaunchInterrupted, run_torchrun
 from ..run.preflight import check_cores
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the AdamW state in torch's optimizer.state_dict() layout")
     c.add_argument("--dcp", default=None, metavar="DIR",
                    help="also write the model as a torch.distributed.checkpoint folder (FSDP2)")
-    return parser
+    return bounds.guard(parser)         # every numeric option checked as it is read
 
 
 # --- the formulas ------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from ..run import bounds
+
 LAB_DIR = Path(__file__).resolve().parents[2] / "labs"
 
 
@@ -35,11 +37,26 @@ def _bad(message):
     raise LabParameterError(message)
 
 
-def _int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _bad(f"{name} = {value!r} must be an integer >= {minimum}"
-             + (f" (not the string {value!r})" if isinstance(value, str) else ""))
-    return value
+def _int(name, value):
+    """A whole-number lab parameter within its range (`zerolab.run.bounds`)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return _within(name, value, whole=True)
+
+
+def _within(name, value, whole=None):
+    """`value` (a number or a list of numbers) within lab parameter `name`'s range
+    (`zerolab.run.bounds`), else LabParameterError naming both and the range."""
+    try:
+        return bounds.check(name, value, whole)
+    except ValueError as err:
+        _bad(str(err))
+
+
+def _numbers(default) -> bool:
+    """A parameter whose default is a number or a list of numbers (not true / false)."""
+    items = default if isinstance(default, list) and default else [default]
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items)
 
 
 def batch_size_for(world_size: int, base: int = 8) -> int:
@@ -99,7 +116,7 @@ def check_parameters(*, nproc="auto", backend="auto", device="auto", stages="0,1
     else:
         if not isinstance(world_sizes, (list, tuple)) or not world_sizes:
             _bad(f"world_sizes = {world_sizes!r} must be 'auto' or a list of integers >= 1")
-        world_sizes = [_int("world_sizes entry", w) for w in world_sizes]
+        world_sizes = [_int("world_sizes", w) for w in world_sizes]
     try:
         for n in sorted({nproc, *(world_sizes or [])}):
             backend_n, device_n = resolve(n, backend, device, gpus=gpus)
@@ -267,6 +284,12 @@ def _check_overrides(overrides, books=()):
             _bad(f"--parameter {name}: no lab to run has a parameter {name} (theirs: "
                  f"{', '.join(known)})")
         for lab, default in having.items():
+            if name not in COMMON and default is not None and _numbers(default):
+                numbers = value
+                if isinstance(default, list) and isinstance(value, str):   # "0.1,1"
+                    numbers = [_load(v) for v in value.split(",") if v.strip()]
+                _within(name, numbers, whole=isinstance((default or [0])[0] if isinstance(
+                    default, list) else default, int))
             kind, want = _kind(value), _kind(default)
             if name not in COMMON and default is not None and kind != want \
                     and not (want == "a list" and kind == "text"):

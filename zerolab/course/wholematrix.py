@@ -100,7 +100,7 @@ def lab_parameters(*, muon_world_sizes, layouts, preset, steps, muon_link_gbps, 
     world sizes as a list, layouts as a list). muon_world_sizes: an int or a list of ints 2-8;
     layouts: a list (or comma text) of muon_theory.LAYOUTS; steps >= 3; muon_link_gbps > 0,
     link_latency_us >= 0. Raises labs.LabParameterError (one line) naming the bad value."""
-    from .labs import LabParameterError, check_parameters
+    from .labs import LabParameterError, _within, check_parameters
     sizes = [muon_world_sizes] if isinstance(muon_world_sizes, int) else muon_world_sizes
     if isinstance(layouts, str):                        # "owner,a2a" from zerolab labs -p
         layouts = [x.strip() for x in layouts.split(",") if x.strip()]
@@ -115,6 +115,7 @@ def lab_parameters(*, muon_world_sizes, layouts, preset, steps, muon_link_gbps, 
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
                 low == "> 0" and value == 0):
             raise LabParameterError(f"{name} = {value!r} must be a number {low}")
+        _within(name, value)                # NaN, inf, huge: zerolab.run.bounds' range
     p = check_parameters(nproc=max(sizes), backend="gloo", device="cpu", stages="0",
                          preset=preset, steps=steps, out=out)
     if p.steps < 3:

@@ -34,30 +34,59 @@ order, or make a group of blocks whose order varies one unit, gathered and reduc
 (`zerolab.loop.leaves.set_leaf_modules`, DeepSpeed's `set_z3_leaf_modules`; with `fully_shard`,
 shard the parent module only).
 
+Every rank hears the line. The rank that proves a difference posts its line to the store
+(the first rank to post wins, so every rank raises the same line) and waits, at most `HEAR_S`, until
+every other rank of the group has read it; the others read it within a slice of their own wait
+(or poll of `confirm`) and raise it too (`CollectiveOrderError.proved` tells the two apart). So
+the line reaches every rank whether the proving rank then exits, retries, or sleeps. A group
+found out of step stays so: a later wait on it raises the line at once. A store that stops
+answering (its host left: rank 0 under `init_method=tcp://`) is read as a peer that left
+(`PeerLeftError`, one line naming what this rank waited for).
+
+A backend whose Work cannot wait with a timeout (torch's threaded process group, what torch's
+FSDP2 tests run on) waits without one: the order check is off there, said once (a warning).
+
 NCCL: `Work.wait()` does not block the host there (it orders the CUDA stream), so this check does
-not run; NCCL's own watchdog reports a stuck collective at the group's timeout
-(TORCH_NCCL_DESYNC_DEBUG=1 names the ranks out of step).
+not run; NCCL's own watchdog reports a stuck collective at the group's timeout (the run's
+--timeout). zerolab's launches set TORCH_NCCL_DESYNC_DEBUG=1 (the report names the ranks out of
+step) and the flight recorder (each rank's last collectives, written on a timeout; read them
+with `torchfrtrace`): zerolab.run.preflight.nccl_watch.
 """
 from __future__ import annotations
 
 import datetime
 import json
 import time
+import warnings
 import zlib
 
 import torch
+import torch.distributed as dist
 
 CHECK_S = 2.0           # seconds a gloo wait runs before this rank compares its ledger
 TAIL = 64               # records compared (the most recent ones)
+HEAR_S = 2 * CHECK_S + 1    # seconds a proving rank waits for the others to read its line
+LISTEN_S = 0.25         # seconds between two reads of the store's line by a rank in confirm()
 
 
 class CollectiveOrderError(RuntimeError):
-    """The ranks of a group issued different collectives at the same position of their ledgers."""
+    """The ranks of a group issued different collectives at the same position of their ledgers.
+    `proved`: True on the rank that found the difference, False on a rank that read its line."""
+
+    def __init__(self, line: str, proved: bool = True):
+        super().__init__(line)
+        self.proved = proved
 
 
-#: groups (their global ranks) found out of step: a collective of theirs never completes, so the
-#: process must not wait for it at exit (destroy_process_group joins gloo's workers): `broken()`
-BROKEN: set = set()
+class PeerLeftError(RuntimeError):
+    """A peer of the group left while this rank waited (the store or gloo lost its connection)."""
+
+
+#: {groups (their global ranks) found out of step: their line}. A collective of theirs never
+#: completes, so the process must not wait for it at exit (destroy_process_group joins gloo's
+#: workers): `broken()`
+BROKEN: dict = {}
+NO_TIMEOUT: list = []   # said once: a backend whose Work.wait takes no timeout
 
 
 POSTED: set = set()     # store keys this process has posted and not taken back
@@ -71,9 +100,14 @@ def broken() -> bool:
 
 def watched_wait(work, comm, record):
     """Wait for `work` (a gloo Work, or a wrapper whose wait() passes a timeout on). Every
-    CHECK_S seconds without completion, compare this rank's recent ledger with the other ranks'
-    (`check`). Raises CollectiveOrderError on a proven disagreement; whatever `work.wait`
-    raises (a peer gone, the group's timeout) passes through."""
+    CHECK_S seconds without completion, read the line a peer posted (`heard`), then compare this
+    rank's recent ledger with the other ranks' (`check`). Raises CollectiveOrderError on a
+    proven disagreement (or a group already found out of step), PeerLeftError when a peer left
+    (gloo's connection closed, or the store stopped answering); whatever else `work.wait`
+    raises (the group's timeout) passes through. A Work that takes no timeout is waited for
+    without one (the check is off: a warning, once)."""
+    if comm.ranks in BROKEN:
+        raise CollectiveOrderError(BROKEN[comm.ranks], proved=False)
     posted = False
     while True:
         try:
@@ -82,33 +116,63 @@ def watched_wait(work, comm, record):
                 _store_delete(comm)
             return done
         except RuntimeError as err:
+            if "not implemented" in str(err) and "timeout" in str(err):
+                _say_no_timeout(err)
+                return work.wait()
             if "timed out" not in str(err):
                 _check_after(err, comm, record)
                 raise
         posted = True
-        try:
+        with _peer_left(comm, record):
             check(comm, record)
-        except CollectiveOrderError:
-            BROKEN.add(comm.ranks)
-            raise
+
+
+def _say_no_timeout(err):
+    if not NO_TIMEOUT:
+        NO_TIMEOUT.append(str(err))
+        warnings.warn("this process group's Work.wait() takes no timeout (torch's threaded "
+                      "process group): collectives are waited for without one, so ranks that "
+                      "issue them in different orders are not found by zerolab.order",
+                      RuntimeWarning, stacklevel=3)
+
+
+class _peer_left:
+    """Store errors inside the block (its host is gone) -> PeerLeftError naming `record`."""
+
+    def __init__(self, comm, record, cause=None):
+        self.comm, self.record, self.cause = comm, record, cause
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if err is None or not isinstance(err, dist.DistError):
+            return False
+        raise PeerLeftError(left_line(self.comm, self.record, err)) from (self.cause or err)
+
+
+def left_line(comm, record, err) -> str:
+    """One line: a peer left while this rank waited for `record` (a Record, or a confirm label)."""
+    what = record if isinstance(record, str) else (
+        f"{record.op} {record.what} {record.unit or '-'} (position {record.seq} of the ledger)")
+    why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"a peer of rank {comm.rank} left while it waited in {what}: the group's store, "
+            f"hosted by rank {comm.ranks[0]} or torchrun, stopped answering ({why}); that "
+            "peer's own output says why it left, and every rank must run to the end or stop")
 
 
 def _check_after(err, comm, record):
     """A peer closed its connection while this rank waited: if it left because it found the
-    ranks out of step (its post is still in the store), say that here too, not gloo's error."""
+    ranks out of step (its line, or its post, is still in the store), say that here too;
+    PeerLeftError when the store went with it."""
     if not any(w in str(err) for w in ("closed by peer", "Connection reset")):
         return
-    try:
+    with _peer_left(comm, record, cause=err):
         check(comm, record)
-    except CollectiveOrderError as order_err:
-        BROKEN.add(comm.ranks)
-        raise order_err from err
-    except Exception:  # noqa: BLE001 - the store went with the peer: gloo's error stands
-        return
+    raise PeerLeftError(left_line(comm, record, err)) from err
 
 
 def _store():
-    import torch.distributed as dist
     try:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
@@ -124,12 +188,14 @@ def _entry(r) -> list:
 
 
 def check(comm, record):
-    """Post this rank's last TAIL records, read the other ranks' posts (their stalls, and their
-    `confirm` announcements at this rank's positions); CollectiveOrderError when two ranks' records
-    differ at one position (`record`: the collective this rank waits for)."""
+    """Read the line a peer posted (`heard`); post this rank's last TAIL records, read the other
+    ranks' posts (their stalls, and their `confirm` announcements at this rank's positions);
+    CollectiveOrderError when two ranks' records differ at one position (`record`: the
+    collective this rank waits for)."""
     store = _store()
     if store is None:
         return
+    heard(comm, store)
     tail = [_entry(r) for r in comm.records[-TAIL:]]
     _post(store, _key(comm, comm.rank),
           json.dumps({"waits": record.seq, "tail": tail, "passes": _passes(comm)}), POSTED)
@@ -150,9 +216,45 @@ def _compare(comm, store, mine: dict, positions):
                 theirs[entry[0]], passes = entry, entry[6]
         for seq in sorted(mine.keys() & theirs.keys()):
             if mine[seq][1:5] != theirs[seq][1:5]:
-                raise CollectiveOrderError(message(comm.rank, mine[seq], peer, theirs[seq],
-                                                   _uneven(_passes(comm), passes),
-                                                   comm.root.parents))
+                prove(comm, store, message(comm.rank, mine[seq], peer, theirs[seq],
+                                           _uneven(_passes(comm), passes), comm.root.parents))
+
+
+def _verdict_key(comm) -> str:
+    return f"zerolab/order/{_group(comm)}/line"
+
+
+def prove(comm, store, line: str):
+    """This rank proved the ranks out of step: post `line` (unless a peer posted its own first:
+    then that one), wait until every other rank of the group read it (at most HEAR_S seconds),
+    and raise it. Every rank then raises the same line, whatever this one does next."""
+    key = _verdict_key(comm)
+    said = store.compare_set(key, "", line)
+    said = said.decode() if isinstance(said, bytes) else str(said)
+    if said != line:                        # a peer proved it first: its line
+        store.add(key + "/heard", 1)
+        BROKEN[comm.ranks] = said
+        raise CollectiveOrderError(said, proved=False)
+    store.add(key + "/n", 1)
+    BROKEN[comm.ranks] = line
+    deadline = time.monotonic() + HEAR_S
+    try:
+        while store.add(key + "/heard", 0) < comm.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except dist.DistError:                  # the store's host read it and left
+        pass
+    raise CollectiveOrderError(line, proved=True)
+
+
+def heard(comm, store):
+    """Raise the line a peer of the group posted (`prove`), after saying this rank read it."""
+    key = _verdict_key(comm)
+    if store.add(key + "/n", 0) <= 0:
+        return
+    line = store.get(key).decode()
+    store.add(key + "/heard", 1)
+    BROKEN[comm.ranks] = line
+    raise CollectiveOrderError(line, proved=False)
 
 
 def confirm(comm, label: str, unit: str = ""):
@@ -168,6 +270,13 @@ def confirm(comm, label: str, unit: str = ""):
     store = _store()
     if store is None or comm.world_size == 1 or comm.backend == "fake":
         return
+    if comm.ranks in BROKEN:
+        raise CollectiveOrderError(BROKEN[comm.ranks], proved=False)
+    with _peer_left(comm, f"{label} (waiting for every rank to get there)"):
+        _confirm(comm, store, label, unit)
+
+
+def _confirm(comm, store, label, unit):
     group = _group(comm)
     k = SERIAL[group, label] = SERIAL.get((group, label), 0) + 1  # the same on every rank
     count, target = f"zerolab/confirm/{group}/{label}", k * comm.world_size
@@ -175,21 +284,21 @@ def confirm(comm, label: str, unit: str = ""):
         return
     pos, key = len(comm.records), _confirm_key(comm, comm.rank)
     entry = [pos, "confirm", label, unit, 0, comm.current_phase, _passes(comm)]
-    delay, waited, posted = 5e-5, 0.0, False
+    delay, waited, posted, listened = 5e-5, 0.0, False, 0.0
     while store.add(count, 0) < target:
         time.sleep(delay)
         waited += delay
+        listened += delay
         delay = min(2 * delay, 0.05)
         if not posted and waited >= POST_AFTER_S:
             _post(store, key, json.dumps(entry), POSTED)
             posted = True
+        if listened >= LISTEN_S:            # a peer's line: raised here too
+            listened = 0.0
+            heard(comm, store)
         if waited >= CHECK_S:               # as long as a collective's slice: compare
             waited = POST_AFTER_S
-            try:
-                _compare(comm, store, {pos: entry}, [pos])
-            except CollectiveOrderError:
-                BROKEN.add(comm.ranks)
-                raise                       # (the post stays: the others read it)
+            _compare(comm, store, {pos: entry}, [pos])  # (the post stays when it raises)
     if posted:                              # passed: no longer waiting there
         POSTED.discard(key)
         store.add(key + "/n", -1)
@@ -299,7 +408,7 @@ def agree(comm, sync: bool, since: int, device="cpu") -> int:
         comm.all_reduce(flags, what="metric", unit="agree", op="max")
     if flags[0] != -flags[1]:
         raise RuntimeError(
-            f"ranks disagree on sync at this backward (rank {comm.rank}: sync={sync}): ZeRO-3 "
+            "ranks disagree on sync at this backward (some passed sync=True, some False): ZeRO-3 "
             "gathers the weights in every micro-step, so every rank must run the same number of "
             "micro-steps; give every rank as many, or use ZeRO-2 (sync=False accumulates locally)")
     if flags[2] != -flags[3]:
@@ -308,3 +417,4 @@ def agree(comm, sync: bool, since: int, device="cpu") -> int:
             "order or number that differs between ranks): ZeRO-3 needs every rank to call the "
             "blocks in the same sequence (FSDP2 too); skipping blocks is fine")
     return len(records)
+

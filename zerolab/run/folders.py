@@ -12,7 +12,8 @@ Idea: every launch that writes into an output folder OUT is one *run* with an id
   same command can be typed again and again; `overwrite=True` deletes that run's files instead
   (only the paths its manifest names as outputs, never anything else, and never through a
   symbolic link: a link is removed itself, what it points to stays); `previous="refuse"`
-  refuses the folder;
+  refuses the folder; keeping refuses (one line, nothing moved) a result path holding what no
+  run wrote (`not_written`);
 - writes OUT/run.json: run id, command, arguments, world size, start time, versions, status.
 
 Every file a run writes carries its run id (a "run_id" key in JSON files and torch files, PNG
@@ -259,6 +260,24 @@ def _human(nbytes: int) -> str:
     return ""
 
 
+def not_written(out: Path, held: list[Path], manifest: dict | None) -> list[str]:
+    """Entries under the result paths `held` that no zerolab run wrote, relative to OUT: files
+    the manifest's list (`Run.finish`) lacks - for a run that never finished (no list), files
+    older than its start - and every link (a run makes none). Dot-files count as the run's."""
+    written, started = set((manifest or {}).get("files", [])), None
+    if manifest and "files" not in manifest:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            started = datetime.datetime.fromisoformat(manifest["started"]).timestamp() - 2
+    alien = []
+    for p in held:
+        for q in [p, *(p.rglob("*") if p.is_dir() and not p.is_symlink() else [])]:
+            rel = q.relative_to(out).as_posix()
+            if q.is_symlink() or not (q.is_dir() or q.name.startswith(".") or rel in written
+                                      or (started is not None and q.stat().st_mtime >= started)):
+                alien.append(rel)
+    return sorted(alien)
+
+
 def keep_aside(out, held: list[Path]) -> Path:
     """Move the run OUT holds - its manifest and its result paths `held` (entries of OUT) - into
     a new sibling folder OUT.1, or OUT.2, ... (the first number not taken); return that folder
@@ -304,6 +323,7 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
     except OSError as err:
         raise RunFolderError(f"--out {str(out)!r} cannot be created ({err.strerror})") from None
     outputs = list(outputs or OUTPUTS.get(command, OUTPUTS["train"]))
+    had_lock = os.path.lexists(out / LOCK)
     try:                                # never through a link: it would truncate its target
         fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as err:
@@ -324,6 +344,15 @@ def begin_run(out, *, command: str, args: dict, world_size: int, overwrite: bool
             what = (f"run {old['run_id']} ({old.get('command')}, started {old.get('started')}, "
                     f"{old.get('status')})" if old else f"{len(held)} result path(s) of an earlier run")
             keep = []
+            alien = not_written(out, held, old) if previous == "keep" and not continues(
+                out, resume) else []
+            if alien:
+                if not had_lock:                # touching nothing at all
+                    os.unlink(out / LOCK)
+                more = f" (and {len(alien) - 1} more)" if len(alien) > 1 else ""
+                raise RunFolderError(f"--out {str(out)!r}: {alien[0]}{more} sits where zerolab "
+                                     f"{command} writes results, and no zerolab run wrote it; "
+                                     "nothing was moved: move it out, or choose another --out")
             if continues(out, resume):          # keep the whole checkpoints folder it is in
                 src = Path(resume).resolve()
                 keep = [src.parent if src.parent.name == "checkpoints" else src]

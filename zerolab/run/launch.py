@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from .preflight import child_env
+from .preflight import child_env, nccl_watch
 from .resources import describe, in_output
 
 
@@ -143,7 +143,7 @@ def run(cmd: list[str], *, timeout: float = 600, echo=print, env: dict | None = 
     tree = _Tree()
     try:
         private = tempfile.mkdtemp(prefix=f"zerolab-run-{os.getpid()}-")
-        env = child_env({**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": private,
+        env = child_env({**nccl_watch(), **os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": private,
                          "JUPYTER_RUNTIME_DIR": os.path.join(private, "jupyter"), **(env or {})})
         if sys.platform == "linux" and os.path.isdir("/sys/class/net/lo") and "127.0.0.1" in cmd:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # all on this machine: gloo on loopback

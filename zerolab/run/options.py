@@ -28,7 +28,7 @@ from ..variants import quant
 from ..model import PRESETS, get_config
 from ..variants.placement import DEFAULT_GATHER, GATHER_MODES
 from ..variants.prefetch import DEFAULT_PREFETCH
-from . import knobs
+from . import bounds, knobs
 from .knobs import DTYPES  # noqa: F401 - the precisions' dtypes, where the options are
 #: seeds accepted: the range every generator the package seeds takes (torch.manual_seed takes
 #: < 2**64; zerolab.data seeds each batch with seed * 1_000_003 + step)
@@ -226,7 +226,7 @@ def add(parser: argparse.ArgumentParser, names, defaults: dict | None = None,
         if kw.get("action") != "store_true":
             kw["default"] = defaults.get(name)
         parser.add_argument(*o.flags, help=helps.get(name, o.help), **kw)
-    return parser
+    return bounds.guard(parser)         # each number checked against its range as it is read
 
 
 def parser(program: str, p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

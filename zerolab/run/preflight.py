@@ -1,5 +1,6 @@
 """Checks of this machine made before any rank starts: the data file, the rendezvous endpoint,
-and whether one step can fit in memory (the options' own values: `options.check`). Each raises
+and whether one step can fit in memory (the options' own values: `options.check`); and the
+environment every launched process gets (`child_env`, `nccl_watch`). Each check raises
 ValueError with one line naming the bad value and what is accepted, so that `zerolab` exits 2
 within a second instead of failing inside a rank minutes later.
 
@@ -18,6 +19,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 _KINDS = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device",
@@ -395,3 +397,22 @@ def shadow_line(shadows, folder, launching: bool = False) -> str:
     elif SAFE_PATH:
         line += "; zerolab's own launches are safe, their children skip the current folder"
     return f"{line}: {fix}"
+
+
+#: where the NCCL flight recorder writes each rank's last collectives when one times out (one file
+#: per rank, nccl_trace_rank_<r>); read them with `torchfrtrace FOLDER`
+TRACE_DIR = os.path.join(tempfile.gettempdir(), "zerolab-nccl-traces")
+
+
+def nccl_watch() -> dict[str, str]:
+    """What torch offers to find a stuck NCCL collective, for every launch (a variable the user
+    set wins): on a timeout the watchdog names the ranks out of step (TORCH_NCCL_DESYNC_DEBUG),
+    and each rank's flight recorder - its last 2000 collectives, with sizes, states and stacks
+    (TORCH_NCCL_TRACE_BUFFER_SIZE) - is written to TRACE_DIR (TORCH_NCCL_DUMP_ON_TIMEOUT). The
+    timeout itself is the run's --timeout (seconds), given to init_process_group. gloo ignores
+    them all (zerolab.order watches gloo)."""
+    with contextlib.suppress(OSError):
+        os.makedirs(TRACE_DIR, exist_ok=True)
+    return {"TORCH_NCCL_DESYNC_DEBUG": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": os.path.join(TRACE_DIR, "nccl_trace_rank_")}

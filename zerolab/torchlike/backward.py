@@ -91,3 +91,10 @@ def cast_floats(obj, dtype):
     if isinstance(obj, dict):
         return {k: cast_floats(v, dtype) for k, v in obj.items()}
     return obj
+
+
+def not_picklable(wrapper: str, instead: str) -> str:
+    """The one line refusing torch.save(model) / pickle / copy.deepcopy of a wrapped model."""
+    return (f"a {wrapper} model cannot be pickled whole (torch.save(model), copy.deepcopy): it "
+            "holds this rank's process group and its gradient hooks; save its weights instead, "
+            f"torch.save({instead}, path), and load them into a model built and wrapped again")

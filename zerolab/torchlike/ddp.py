@@ -23,7 +23,7 @@ from .. import theory
 from ..comm import Comm
 from ..variants.loopstep import LoopStepDDP
 from ..sharding import module_blocks
-from .backward import Backward
+from .backward import Backward, not_picklable
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -73,6 +73,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self._backward = Backward(self.strategy.begin_backward, self.strategy.end_backward)
+
+    def __getstate__(self):
+        raise TypeError(not_picklable("DistributedDataParallel", "model.module.state_dict()"))
 
     def forward(self, *args, **kwargs):
         self._backward.reset()

@@ -42,7 +42,8 @@ from ..loop.guards import is_placeholder, sync_module_states
 from ..loop.leaves import MARK
 from ..variants.loopstep import LoopStepZeRO3, replaced, reshard_unit, shard_unit
 from ..sharding import ROOT, FlatUnit
-from .backward import Backward, cast_floats, in_backward
+from .backward import Backward, cast_floats, in_backward, not_picklable
+from .checkpoint import full_tensors, own_rows
 from .ledger import LedgerComm, one_ledger
 from .optimizers import install_step_check
 
@@ -96,7 +97,16 @@ class FSDPModule:
         """{name: full tensor} under the original names (those of the unwrapped module's
         state_dict), parameters in their own dtype, on every rank: one all_gather of each unit's
         master shard (ledger phase "eval"). A collective: call it on every rank."""
-        return _full_state_dict(self)
+        return full_tensors(_root_state(self), self)
+
+    def __getstate__(self):
+        raise TypeError(not_picklable("fully_shard", "model.full_state_dict()"))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, and a full state dict too, at any world size (`checkpoint.own_rows`)."""
+        own = self.state_dict(keep_vars=True)
+        return super().load_state_dict({k: own_rows(k, t, own.get(k))
+                                        for k, t in state_dict.items()}, strict, assign)
 
     @property
     def comm(self):
@@ -429,20 +439,3 @@ def _hooked(module, method, args, kwargs):
         if result is not None:
             output = result
     return output
-
-
-def _full_state_dict(module) -> dict[str, torch.Tensor]:
-    state = _root_state(module)
-    comm, full = state.comm, {}
-    with torch.no_grad(), comm.phase("eval"):
-        for u in state.strategy.units:
-            packed = torch.empty(u.padded_numel, dtype=u.master.dtype, device=u.master.device)
-            comm.all_gather(packed, u.master, what="params", unit=u.name)
-            natural = packed
-            if u.layout == "dim0":
-                natural = torch.empty_like(packed)
-                u.unpack(packed, natural)
-            for shard, view in zip(u.shard_params, u.views(natural)):
-                full[id(shard)] = view.clone()
-    return {name: full[id(t)] if id(t) in full else t.detach().clone()
-            for name, t in module.state_dict(keep_vars=True).items()}

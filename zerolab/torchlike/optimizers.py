@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..wholematrix.factored import RowShardedAdafactor
 from ..optim import refusal
+from ..replicas import check_replicas
 
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # optimizer -> param ids
 _HOOK: list = []
@@ -94,3 +95,6 @@ class Adafactor(RowShardedAdafactor):
                          weight_decay=weight_decay, foreach=foreach, maximize=maximize,
                          full_shape=lambda p: p.__dict__.get("_zerolab_full_shape"),
                          comm=(lambda: states[0].comm) if states else None)
+        if states:                          # the parameters fully_shard left replicated
+            check_replicas([p for p in tensors if not getattr(p, "_zerolab_shard", False)],
+                           states[0].comm, "Adafactor")

@@ -24,6 +24,7 @@ import torch
 
 from ..comm import Comm
 from ..optim import check_elementwise
+from ..replicas import check_replicas
 from ..sharding import FlatUnit
 from ..zero1 import publish_update
 
@@ -60,6 +61,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         params = _verify_params(params)
         super().__init__(params, defaults)
         self.comm = comm if comm is not None else Comm(process_group)
+        check_replicas([p for g in self.param_groups for p in g["params"]
+                        if not getattr(p, "_zerolab_shard", False)],     # (refused at step)
+                       self.comm, "ZeroRedundancyOptimizer")
         self.optimizer_class, self.units, inner = optimizer_class, [], []
         n, rank = self.comm.world_size, self.comm.rank
         for k, group in enumerate(self.param_groups):

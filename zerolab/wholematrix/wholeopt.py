@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from . import muon_theory as mt
 from ..comm import Comm
+from ..replicas import check_replicas
 
 
 def muon_param_groups(model: nn.Module, *, muon: dict | None = None, adamw: dict | None = None,
@@ -86,6 +87,8 @@ class WholeOptimizer(torch.optim.Optimizer):
                            for _ in g["params"]]
         self.group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check()
+        check_replicas([p for p in self.params if not getattr(p, "_zerolab_shard", False)],
+                       self.comm, type(self).__name__)
         self.shapes = [tuple(p.shape) for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.hold()
