@@ -71,8 +71,8 @@ def test_pickling_a_wrapped_model_is_refused_in_one_line_and_the_state_dict_roun
 
 def test_make_muon_and_muon_param_groups_are_importable_from_zerolab():
     import zerolab
-    from zerolab.compose import make_muon
-    from zerolab.wholeopt import muon_param_groups
+    from zerolab.variants.compose import make_muon
+    from zerolab.wholematrix.wholeopt import muon_param_groups
     assert zerolab.make_muon is make_muon and zerolab.muon_param_groups is muon_param_groups
 
 

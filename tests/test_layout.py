@@ -121,7 +121,7 @@ def test_the_top_of_the_package_is_the_lesson():
     docstring names every module it holds, and the package's docstring names every folder."""
     lesson = {"theory", "model", "data", "comm", "sharding", "optim", "memory", "strategy", "ddp",
               "zero1", "zero2", "zero3", "zero3loop"}
-    groups = {"loop": {"guards", "hooks", "order", "leaves"},
+    groups = {"loop": {"guards", "hooks", "order", "leaves", "replicas"},
               "variants": {"zero1rs", "placement", "prefetch", "offload", "quant", "tiers",
                            "hybrid", "loopstep", "compose"},
               "wholematrix": {"wholeopt", "muon_theory", "muon_owner", "muon_a2a",

@@ -156,7 +156,7 @@ for step in range(2):
     sum(ref(batch(step, r)).square().mean() / 2 for r in range(2)).backward()
     opt.step(); opt.zero_grad()
 diff = max((out[r][k] - v).abs().max().item() for r in out for k, v in ref.state_dict().items())
-print(repr(errs), len(out), diff, [str(w.message) for w in said if "zerolab.order" in str(w.message)])
+print(repr(errs), len(out), diff, [str(w.message) for w in said if "zerolab.loop.order" in str(w.message)])
 """
 
 

@@ -1,5 +1,5 @@
 """Optimizers that keep parameters replicated refuse ranks whose weights differ, in one line on
-every rank, at construction (`zerolab.replicas`): the Muon layouts and ZeroRedundancyOptimizer
+every rank, at construction (`zerolab.loop.replicas`): the Muon layouts and ZeroRedundancyOptimizer
 without DDP after `torch.manual_seed(rank)` (the issue's slip, on a small conv + MLP + LayerNorm
 model), and one made up here: the same layouts with LAMB as the whole-matrix optimizer, where
 only one bias differs between the ranks. The ranks' weights really differ (checked here with
@@ -27,10 +27,10 @@ class ConvMLP(nn.Module):
 
 
 def build(kind, model):
-    from zerolab.compose import make_muon
-    from zerolab.lamb import Lamb as LAMB
+    from zerolab.variants.compose import make_muon
+    from zerolab.wholematrix.lamb import Lamb as LAMB
     from zerolab.torchlike import ZeroRedundancyOptimizer
-    from zerolab.wholeopt import muon_param_groups
+    from zerolab.wholematrix.wholeopt import muon_param_groups
     if kind == "zero-optimizer":
         return ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
     layout, _, inner = kind.partition("-")

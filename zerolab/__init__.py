@@ -19,7 +19,7 @@ the few modules they stand on, read in this order, each importing only those abo
 Three folders hold the rest of the lesson, each with its map in its __init__:
 
     loop/         what a real training loop needs, below the stages (they import it; it imports
-                  nothing else of zerolab): guards, hooks, order, leaves
+                  nothing else of zerolab): guards, hooks, order, leaves, replicas
     variants/     the stages' variants, above them (a subclass, a mixin or a wrapped Comm each;
                   no stage imports one): zero1rs, placement, prefetch, offload, quant, tiers,
                   hybrid, loopstep, and compose (`make_strategy`: a stage with its variants)

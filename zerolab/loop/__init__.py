@@ -10,6 +10,9 @@ imports these modules, and they import nothing else of zerolab.
              comparing the ranks' ledgers, stopped in one line on every rank (comm, strategy, zero3)
     leaves   leaf modules (a mixture of experts' layer): a group of blocks gathered and reduced as
              one unit, whatever order they run in (`zerolab.set_leaf_modules`)
+    replicas the ranks start from the same weights: one all_reduce of an exact hash when an
+             optimizer that keeps parameters replicated is built (the whole-matrix layouts,
+             torchlike's), a one-line refusal on every rank when they differ
 
 ZeRO-3's own part of a real loop (gathered(), checkpoints, skipped blocks) is zero3loop.py at the
 top, a mixin of ZeRO3; a loop that steps its own torch optimizer gets variants/loopstep.py.

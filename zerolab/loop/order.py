@@ -132,7 +132,7 @@ def _say_no_timeout(err):
         NO_TIMEOUT.append(str(err))
         warnings.warn("this process group's Work.wait() takes no timeout (torch's threaded "
                       "process group): collectives are waited for without one, so ranks that "
-                      "issue them in different orders are not found by zerolab.order",
+                      "issue them in different orders are not found by zerolab.loop.order",
                       RuntimeWarning, stacklevel=3)
 
 

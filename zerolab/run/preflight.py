@@ -410,7 +410,7 @@ def nccl_watch() -> dict[str, str]:
     and each rank's flight recorder - its last 2000 collectives, with sizes, states and stacks
     (TORCH_NCCL_TRACE_BUFFER_SIZE) - is written to TRACE_DIR (TORCH_NCCL_DUMP_ON_TIMEOUT). The
     timeout itself is the run's --timeout (seconds), given to init_process_group. gloo ignores
-    them all (zerolab.order watches gloo)."""
+    them all (zerolab.loop.order watches gloo)."""
     with contextlib.suppress(OSError):
         os.makedirs(TRACE_DIR, exist_ok=True)
     return {"TORCH_NCCL_DESYNC_DEBUG": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",

@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..wholematrix.factored import RowShardedAdafactor
 from ..optim import refusal
-from ..replicas import check_replicas
+from ..loop.replicas import check_replicas
 
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # optimizer -> param ids
 _HOOK: list = []

@@ -24,7 +24,7 @@ import torch
 
 from ..comm import Comm
 from ..optim import check_elementwise
-from ..replicas import check_replicas
+from ..loop.replicas import check_replicas
 from ..sharding import FlatUnit
 from ..zero1 import publish_update
 

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from . import muon_theory as mt
 from ..comm import Comm
-from ..replicas import check_replicas
+from ..loop.replicas import check_replicas
 
 
 def muon_param_groups(model: nn.Module, *, muon: dict | None = None, adamw: dict | None = None,
