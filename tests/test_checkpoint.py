@@ -393,9 +393,10 @@ def test_when_one_launcher_dies_the_other_exits_with_a_clear_line(tmp_path):
 
 def test_negative_save_every_is_refused_before_any_launch(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("zerolab.run.launch.run", lambda *a, **k: pytest.fail("a launch started"))
-    code = cli.main(["train", "--save-every", "-1", "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["train", "--save-every", "-1", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "--save-every -1" in err[0], err
+    assert stop.value.code == 2 and len(err) == 1 and "--save-every: '-1'" in err[0], err
     assert not (tmp_path / "o").exists()
 
 

@@ -216,7 +216,7 @@ def test_time_and_whatif_show_the_tier_each_collective_pays(capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["time", "--ranks-per-node", "0"], ["--ranks-per-node 0", ">= 1"]),
+    (["time", "--ranks-per-node", "0"], ["--ranks-per-node: '0'", "1 .."]),
     (["time", "--ranks-per-node", "3"], ["--ranks-per-node 3", "does not divide", "64"]),
     (["time", "--ranks-per-node", "8", "--inter", "ib-xdr"], ["'ib-xdr'", "ib-ndr, ib-hdr, 400gbe"]),
     (["time", "--intra", "pcie4"], ["--intra needs --ranks-per-node"]),
@@ -224,7 +224,11 @@ def test_time_and_whatif_show_the_tier_each_collective_pays(capsys):
     (["whatif", "--preset", "nano", "--ranks-per-node", "8", "--intra", "nvlink9"], ["'nvlink9'"]),
 ])
 def test_bad_tiers_are_one_line(argv, words, capsys):
-    assert cli.main(argv) == 2
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:          # argparse's range check on the value itself
+        code = stop.code
+    assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and all(w in err[0] for w in words), err
 

@@ -27,7 +27,7 @@ RANGES = {
     # model and data
     "params": (REAL, 1, 1e15, False), "world-size": (WHOLE, 1, 10**9, False),
     "optimizer-bytes": (REAL, 0, 1024, True), "tokens-per-rank": (REAL, 0, 1e9, True),
-    "blocks": (WHOLE, 1, 10**5, False), "d-model": (WHOLE, 1, 10**6, False),
+    "blocks": (WHOLE, 1, 10**4, False), "d-model": (WHOLE, 1, 10**6, False),
     "seq-len": (REAL, 0, 1e9, False), "block-size": (WHOLE, 1, 10**7, False),
     "batch-size": (WHOLE, 1, 10**7, False), "grad-accum": (WHOLE, 1, 10**6, False),
     "steps": (WHOLE, 1, 10**9, False), "seed": (WHOLE, 0, 2**32 - 1, False),
@@ -94,6 +94,8 @@ def check(name: str, value, whole: bool | None = None):
 
 def say(text, value, kind) -> str:
     """'x' is not a number / is outside the accepted range, and the range."""
+    if isinstance(value, str):
+        return f"{text!r} is text, not a number (write it without quotes): accepted is {describe(*kind)}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{text!r} is not a number: accepted is {describe(*kind)}"
     if not math.isfinite(value):

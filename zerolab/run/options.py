@@ -126,7 +126,7 @@ OPTIONS = {o.dest: o for o in (
            "--hybrid hpz in ZeRO++'s two hops, inside the node then across); default: bf16", {"choices": quant.GRAD_FORMATS}),
     Option(("--quant-block",), "elements per fp32 scale of --quantize-weights / --quantize-grads "
            f"(default {quant.DEFAULT_BLOCK})", {"type": int, "metavar": "B"}),
-    Option(("--hybrid",), "ZeRO-3 by node (zerolab/variants/hybrid.py): hsdp shards inside a node and "
+    Option(("--hybrid",), "ZeRO-3 by node (zerolab.variants.hybrid): hsdp shards inside a node and "
            "all-reduces across nodes (FSDP's HYBRID_SHARD); hpz gathers the backward's weights "
            "inside the node (ZeRO++); a node: --ranks-per-node K, else the ranks torchrun starts "
            "on it", {"choices": ("hsdp", "hpz")}),
