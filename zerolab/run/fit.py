@@ -229,6 +229,29 @@ def checkpoint_blocks(model, every: int):
 
 
 # --- one simulated step ------------------------------------------------------------------------
+def mem_tracker(model, *external):
+    """torch's MemTracker with `model` and `external` registered as held before the step.
+    Frozen parameters are marked as already hooked: MemTracker puts a gradient hook on every
+    parameter a module holds, and torch refuses a hook on a tensor that needs no gradient
+    ("cannot register a hook on a tensor that doesn't require gradient")."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    tracker.track_external(model, *external)
+    handles = getattr(tracker, "_param_to_grad_hook_handles", None)
+    if handles is not None:
+        for p in model.parameters():
+            if not p.requires_grad:
+                handles[p] = (_NoHook(), _NoHook())
+    return tracker
+
+
+class _NoHook:
+    """Stands for a hook handle where none was installed (`mem_tracker`)."""
+
+    def remove(self):
+        pass
+
+
 def _total(tracker, kind: str) -> int:
     snap = tracker.get_tracker_snapshot(kind)
     return sum(int(v) for stats in snap.values() for k, v in stats.items()
@@ -244,9 +267,8 @@ def simulate(args, stage: int, world_size: int, rows: int, target: Target | None
     every: activation checkpointing of every k-th block (None: --activation-checkpointing's
     every block, or none). Returns bytes: {"model_states": {state: formula}, "held": what the
     rank holds at the step's start, "activations", "transients": {category: peak},
-    "peak", "rest", "num_params", "num_params_padded"}."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    "peak", "meter_peak" (the memory meter's peak: states and transients), "rest",
+    "num_params", "num_params_padded"}."""
     from .stage import make_strategy
     target = target or target_of(args)
     A = args.grad_accum
@@ -290,11 +312,11 @@ def simulate(args, stage: int, world_size: int, rows: int, target: Target | None
             held_at_start = meter.peak_total
             tensors = [t for cat, ts in strategy.state_tensors().items()
                        if cat not in ("exp_avg", "exp_avg_sq") for t in ts if t is not None]
-            tracker = MemTracker()
-            tracker.track_external(model, strategy.optimizer, *tensors)
+            tracker = mem_tracker(model, strategy.optimizer, *tensors)
             with tracker:
                 step(tracker.reset_mod_stats, tracker)
             peak = _total(tracker, "peak")
+            meter_peak = meter.peak_total
         psi = sum(u.numel for u in strategy.units)
         padded = sum(u.padded_numel for u in strategy.units)
         transients = {c: meter.peak.get(c, 0) for c in ("gathered_params", "grad_buckets",
@@ -312,6 +334,7 @@ def simulate(args, stage: int, world_size: int, rows: int, target: Target | None
             "rows": rows, "num_params": psi, "num_params_padded": padded,
             "model_states": formula, "model_states_total": states, "held": held_at_start,
             "activations": activations, "transients": transients, "peak": peak,
+            "meter_peak": meter_peak,
             "rest": peak - states - activations - sum(transients.values())}
 
 
@@ -324,22 +347,33 @@ def per_rank_budget(memory: float, ranks_here: int, device: str) -> float:
 
 def largest_rows(args, stage: int, world_size: int, budget: float, target: Target,
                  every=None, limit: int = 1 << 20) -> tuple[int, dict | None]:
-    """(largest rows per rank whose simulated peak fits `budget` bytes, its report); (0, None)
-    when one row does not fit. The peak is affine in the rows: two simulations give the line,
-    a third checks the answer (and walks down while it does not fit)."""
-    one = simulate(args, stage, world_size, 1, target, every=every)
-    if one["peak"] > budget:
+    """(largest rows per rank, up to `limit`, whose simulated peak fits `budget` bytes, its
+    report); (0, None) when one row does not fit. The peak is the larger of the optimizer
+    step's (no rows in it) and the backward's (affine in the rows), so the search widens by 4x
+    until a simulation does not fit, then halves the interval: about 2·log2(B) simulations."""
+    def peak(rows):
+        return simulate(args, stage, world_size, rows, target, every=every)
+    best = peak(1)
+    if best["peak"] > budget:
         return 0, None
-    two = simulate(args, stage, world_size, 2, target, every=every)
-    slope = max(two["peak"] - one["peak"], 1)
-    rows = int(min(limit, 1 + (budget - one["peak"]) // slope))
-    while rows > 1:
-        got = one if rows == 1 else two if rows == 2 else simulate(args, stage, world_size, rows,
-                                                                   target, every=every)
+    lo, hi = 1, None
+    while hi is None:
+        nxt = min(lo * 4, limit)
+        if nxt == lo:
+            return lo, best
+        got = peak(nxt)
         if got["peak"] <= budget:
-            return rows, got
-        rows -= max(1, rows // 64)
-    return 1, one
+            lo, best = nxt, got
+        else:
+            hi = nxt
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = peak(mid)
+        if got["peak"] <= budget:
+            lo, best = mid, got
+        else:
+            hi = mid
+    return lo, best
 
 
 def smallest_world(args, stage: int, rows: int, budget_of, target: Target, start: int,
