@@ -24,15 +24,15 @@ each stage fits, and the options that would make a refused run fit (`advice`).
     zerolab fit --preset 1b --stages 0,1,2,3 --world-size 8 --batch-size 8 --device-memory h100
     zerolab fit --model mypkg.nets:build --stage 3 --world-size 64 --device-memory 24 --json
 
-Attention runs the kernel the CPU would run (`torch.ops.aten._scaled_dot_product_flash_attention_
-for_cpu`): on the meta device torch would pick the math kernel, which keeps the s x s scores.
+Attention runs the kernel the CPU would run (`cpu_attention`): on the meta device torch would
+pick the math kernel, which keeps the s x s scores.
 What it cannot know is listed in `UNKNOWN`, said as such. Errors: ValueError, one line naming
 the bad value and what is accepted (`zerolab fit` exits 2).
 """
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import importlib
 import math
 from dataclasses import dataclass
@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from .. import theory
 from ..comm import Comm
@@ -189,21 +188,26 @@ def device_memory(text) -> tuple[float, str]:
 
 
 # --- attention as the target device runs it --------------------------------------------------
-class CpuAttention(TorchFunctionMode):
-    """F.scaled_dot_product_attention on meta tensors runs the CPU's flash kernel, as a real CPU
-    run does (`torch._fused_sdp_choice` picks it there; on meta torch falls back to the math
-    kernel, which would keep the B x H x s x s scores for backward)."""
+@contextlib.contextmanager
+def cpu_attention():
+    """Inside the block, F.scaled_dot_product_attention on meta tensors runs the CPU's flash
+    kernel, as a real CPU run does (`torch._fused_sdp_choice` picks it there; on the meta device
+    torch falls back to the math kernel, which keeps the B x H x s x s scores for backward).
+    The function itself is replaced for the block, not a torch-function mode: activation
+    checkpointing recomputes the forward inside backward, where such a mode is not active."""
+    original = F.scaled_dot_product_attention
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func is F.scaled_dot_product_attention and len(args) == 3
-                and kwargs.get("attn_mask") is None and args[0].device.type == "meta"
-                and not kwargs.get("enable_gqa")):
-            q, k, v = args
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if q.device.type == "meta" and attn_mask is None and not kw.get("enable_gqa"):
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
-                scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
+                q, k, v, dropout_p, is_causal, scale=scale)[0]
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, **kw)
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def checkpoint_blocks(model, every: int):
@@ -304,7 +308,7 @@ def simulate(args, stage: int, world_size: int, rows: int, target: Target | None
                 strategy.backward(loss / A, sync=m == A - 1 or theory.is_sharded("grads", stage))
             strategy.step()
 
-        with CpuAttention():
+        with cpu_attention():
             if args.steps > 1:
                 step()
             meter.reset_peaks()
