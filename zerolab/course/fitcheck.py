@@ -150,7 +150,7 @@ def table(quick: bool = False, echo=print) -> list[dict]:
                             mem = runs[s]["memory"]
                             out.append(row(preset, world, ac, rows, s, pred[s],
                                            mem["allocator"]["peak_absolute"], mem["peak_total"]))
-                            echo(format_row(out[-1]))
+                            echo(format_row(out[-1]), flush=True)
         for spec in models:
             for world in mworlds:
                 for rows in (rows_[0],) if quick else ROWS:
@@ -160,7 +160,7 @@ def table(quick: bool = False, echo=print) -> list[dict]:
                     for s in range(4):
                         out.append(row(spec.split(":")[1], world, False, rows, s, pred[s],
                                        runs[s]["peak"], runs[s]["meter_peak"]))
-                        echo(format_row(out[-1]))
+                        echo(format_row(out[-1]), flush=True)
     return out
 
 
