@@ -180,7 +180,7 @@ def no_dropout_flash(cfg, rows: int) -> float:
 
 
 def _pct(x, ref):
-    return "-" if x is None else f"{x / ref - 1:+.0%}"
+    return "-" if x is None else f"{x / ref - 1:+.1%}"
 
 
 def format_tables(anchors: list[dict], kort: list[dict], markdown: bool = False) -> str:

@@ -415,33 +415,40 @@ def smallest_world(args, stage: int, rows: int, budget_of, target: Target, start
 MAX_SEARCH = min(MAX_WORLD, 1 << 16)
 
 
-# --- advice -----------------------------------------------------------------------------------
+# --- advice ---------------------------------------------------------------------------------
 def advice(args, stage: int, world_size: int, rows: int, budget_of, target: Target,
-           stages_tried=None, every=None) -> list[str]:
-    """What would make `stage` fit, cheapest first, from the same simulation; only the options
-    that do: a smaller micro-batch (lower --batch-size or raise --grad-accum), activation
-    checkpointing, a later stage, more ranks, a smaller preset. [] when nothing listed would."""
+           every=None, ranks_here: int | None = None) -> list[str]:
+    """What would make `stage` fit, from the same simulation; only the options that do, cheapest
+    first: a smaller micro-batch with more micro-steps (the same global batch and result, a
+    little slower), activation checkpointing (about 1/3 more compute), a later stage (more
+    traffic), more ranks (more hardware), a smaller preset (another model). [] when none would.
+    ranks_here: the ranks of one node sharing a CPU's memory (more ranks then means more nodes)."""
     out = []
     budget = budget_of(world_size)
     A = args.grad_accum
     if rows > 1:
         best, _ = largest_rows(args, stage, world_size, budget, target, every=every, limit=rows - 1)
         if best:
-            accum = math.ceil(rows / best) * A
-            out.append(f"{best} row(s) per rank: --batch-size {best * world_size * A} "
-                       f"(or keep the batch with --grad-accum {accum} if {accum * world_size} "
-                       f"divides --batch-size {args.batch_size})")
-    if not every and (target.cfg is not None or hasattr(target, "build")):
-        if simulate(args, stage, world_size, rows, target, every=1)["peak"] <= budget:
-            out.append("--activation-checkpointing (every block: ~1/3 more compute)")
-    for later in range(stage + 1, 4):
-        if simulate(args, later, world_size, rows, target, every=every)["peak"] <= budget:
-            out.append(f"--stage {later} ({theory.STAGE_NAMES[later]})")
-            break
-    if stage > 0:
-        n = smallest_world(args, stage, rows, budget_of, target, world_size + 1, every=every)
+            per = rows // math.ceil(rows / best)
+            while rows % per:
+                per -= 1
+            out.append(f"--grad-accum {A * rows // per} ({per} row(s) per rank per micro-step, "
+                       f"the same --batch-size {args.batch_size})")
+    if not every and simulate(args, stage, world_size, rows, target, every=1)["peak"] <= budget:
+        out.append("--activation-checkpointing (every block; about 1/3 more compute)")
+    later = next((s for s in range(stage + 1, 4) if simulate(
+        args, s, world_size, rows, target, every=every)["peak"] <= budget), None)
+    if later is not None:
+        out.append(f"--stage {later} ({theory.STAGE_NAMES[later]})")
+    where = (f" over more nodes (--nnodes; {ranks_here} rank(s) share this node's memory)"
+             if ranks_here else "")
+    more = stage if stage > 0 else 3 if later is None else None    # DDP: only with sharding
+    if more is not None:
+        n = smallest_world(args, more, rows, budget_of, target, world_size + 1, every=every)
         if n is not None:
-            out.append(f"{n} ranks (--nproc / --nnodes; zerolab fit --world-size {n})")
+            also = f"--stage {more} on " if more != stage else ""
+            out.append(f"{also}{n} ranks{where} with {rows} row(s) each (--batch-size "
+                       f"{rows * n * A})")
     if target.cfg is not None and not getattr(args, "model", None):
         names = list(PRESETS)
         if args.preset in names:
@@ -449,12 +456,56 @@ def advice(args, stage: int, world_size: int, rows: int, budget_of, target: Targ
                 small = argparse.Namespace(**{**vars(args), "preset": smaller})
                 try:
                     t = target_of(small)
-                    if simulate(small, stage, world_size, rows, t, every=every)["peak"] <= budget:
-                        out.append(f"--preset {smaller}")
-                        break
                 except ValueError:
                     continue
+                if simulate(small, stage, world_size, rows, t, every=every)["peak"] <= budget:
+                    out.append(f"--preset {smaller}")
+                    break
     return out
+
+
+def check_fits(args, world_size: int, device: str = "cpu", available: float | None = None):
+    """Before a launch (`zerolab train`, `compare`, and the labs through `job.check`): raise
+    ValueError, one line, when a stage's predicted peak times the ranks on this node exceeds
+    the memory `available` (bytes; default: this machine's MemAvailable), naming what would
+    make it fit (`advice`). CPU only: asking CUDA would initialise it in the launcher. A run far
+    below the memory (the formulas and Korthikanti's activations, x 2) is not simulated."""
+    from ..model import num_params
+    from .preflight import activation_bytes, available_bytes
+    if device != "cpu":
+        return
+    available = available_bytes() if available is None else available
+    if not available:
+        return
+    stages = options.parse_stages(args.stages)
+    rows = args.batch_size // (world_size * args.grad_accum)
+    cfg = options.model_config(args)
+    with torch.device("meta"):
+        psi = num_params(GPT(cfg))
+    quick = (max(theory.model_state_total(psi, world_size, s, args.precision) for s in stages)
+             + activation_bytes(cfg, rows, args.precision))
+    if 2 * quick * args.nproc < available:
+        return
+    target = gpt_target(cfg, args.preset)
+    every = 1 if args.activation_checkpointing else None
+    here = max(1, min(world_size, args.nproc))
+
+    def budget_of(n):
+        return available / max(1, min(n, here))
+    for s in stages:
+        r = simulate(args, s, world_size, rows, target)
+        if r["peak"] <= budget_of(world_size):
+            continue
+        ideas = advice(args, s, world_size, rows, budget_of, target, every=every,
+                       ranks_here=here)
+        raise ValueError(
+            f"{theory.STAGE_NAMES[s]} needs about {r['peak'] / GB:,.3g} GB per rank "
+            f"({r['model_states_total'] / GB:,.3g} GB of model states, "
+            f"{r['activations'] / GB:,.3g} GB of activations for {rows} row(s) of "
+            f"{cfg.block_size} tokens, the rest transients and temporaries; zerolab fit), x "
+            f"{here} rank(s) = {r['peak'] * here / GB:,.3g} GB, but {available / GB:,.3g} GB is "
+            "available; " + ("it would fit with " + "; or ".join(ideas) if ideas else
+                             "no option of zerolab train makes it fit on this machine"))
 
 
 # --- zerolab fit ------------------------------------------------------------------------------
@@ -532,7 +583,9 @@ def report(args) -> dict:
         r["fits"] = r["peak"] <= budget_of(n)
         r["largest_rows"], _ = largest_rows(args, s, n, budget_of(n), target, every=every)
         r["smallest_world"] = smallest_world(args, s, rows, budget_of, target, 1, every=every)
-        r["advice"] = [] if r["fits"] else advice(args, s, n, rows, budget_of, target, every=every)
+        r["advice"] = [] if r["fits"] else advice(
+            args, s, n, rows, budget_of, target, every=every,
+            ranks_here=None if args.device_memory is not None else min(n, args.nproc))
         stages.append(r)
     return {"model": target.name, "world_size": n, "rows_per_rank": rows,
             "grad_accum": args.grad_accum, "precision": args.precision,
