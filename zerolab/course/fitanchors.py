@@ -198,7 +198,8 @@ def format_tables(anchors: list[dict], kort: list[dict], markdown: bool = False)
         lines.append("| " + " | ".join(cells) + " |" if markdown else
                      "".join(f"{c:>16}" for c in cells))
     lines.append("")
-    head = ["preset", "s", "h", "a", "Korthikanti", "no dropout, flash", "counted", "ratio"]
+    head = ["preset", "s", "h", "a", "eq. 1", "eq. 1 adjusted", "counted", "counted / eq. 1",
+            "counted / adjusted"]
     if markdown:
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     else:
@@ -206,7 +207,8 @@ def format_tables(anchors: list[dict], kort: list[dict], markdown: bool = False)
     for r in kort:
         cells = [r["preset"], str(r["s"]), str(r["h"]), str(r["a"]), f"{r['korthikanti']:,.0f}",
                  f"{r['korthikanti_no_dropout_flash']:,.0f}", f"{r['counted']:,}",
-                 f"{r['counted'] / r['korthikanti']:.2f}"]
+                 f"{r['counted'] / r['korthikanti']:.2f}",
+                 f"{r['counted'] / r['korthikanti_no_dropout_flash']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |" if markdown else
                      "".join(f"{c:>18}" for c in cells))
     return "\n".join(lines)
