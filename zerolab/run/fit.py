@@ -336,7 +336,7 @@ def simulate(args, stage: int, world_size: int, rows: int, target: Target | None
     activations = acts[0] if acts else 0
     return {"stage": stage, "name": theory.STAGE_NAMES[stage], "world_size": world_size,
             "rows": rows, "num_params": psi, "num_params_padded": padded,
-            "model_states": formula, "model_states_total": states, "held": held_at_start,
+            "model_states": formula, "model_states_total": int(states), "held": held_at_start,
             "activations": activations, "transients": transients, "peak": peak,
             "meter_peak": meter_peak,
             "rest": peak - states - activations - sum(transients.values())}
