@@ -43,7 +43,7 @@ def fit_args(argv: list[str]):
 def predicted(argv: list[str], stages, world_size: int, rows: int) -> dict:
     """{stage: fit.simulate's report} for the options `argv`."""
     from ..run import fit
-    args = fit_args(argv)
+    args = fit_args(argv + ["--world-size", str(world_size)])
     n, every, target = fit.check_args(args)
     return {s: fit.simulate(args, s, world_size, rows, target, every=every) for s in stages}
 
@@ -132,12 +132,15 @@ def row(model, world, ac, rows, stage, pred, peak, meter_peak) -> dict:
 WHY: dict[str, str] = {}
 
 
-def table(quick: bool = False, echo=print) -> list[dict]:
+def table(quick: bool = False, echo=print, only: str | None = None) -> list[dict]:
     """Every row: presets x N x checkpointing x B (stages 0-3 each), then the two other models.
-    quick: nano at N = 2, B = 2, checkpointing off and on, and the conv net at N = 2."""
+    quick: nano at N = 2, B = 2, checkpointing off and on, and the conv net at N = 2.
+    only: "gpt" or "models", one half of the table."""
     presets, worlds, rows_, acs = (("nano",), (2,), (2,), (False, True)) if quick else (
         PRESETS, WORLDS, ROWS, (False, True))
     models, mworlds = (MODELS[:1], (2,)) if quick else (MODELS, WORLDS)
+    presets = () if only == "models" else presets
+    models = () if only == "gpt" else models
     out = []
     with tempfile.TemporaryDirectory(prefix="fitcheck") as tmp:
         for preset in presets:
@@ -179,6 +182,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m zerolab.course.fitcheck",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few rows (the test's subset)")
+    p.add_argument("--only", choices=("gpt", "models"), default=None,
+                   help="the GPT presets' rows, or the two other models' rows")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
     print("bytes per rank (rank 0) of the last of 2 steps: predicted by zerolab fit on the meta "
           "device; measured by MemTracker on the real run; meter: model states + transients")
     print(HEAD)
-    rows = table(args.quick)
+    rows = table(args.quick, only=args.only)
     worst = max(rows, key=lambda r: abs(r["error"]))
     print(f"largest error: {worst['error']:+.2%} ({worst['model']}, N = {worst['N']}, "
           f"{worst['stage']}, B = {worst['B']}); rows beyond {TOLERANCE:.0%}: "
