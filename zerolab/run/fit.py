@@ -440,13 +440,17 @@ def advice(args, stage: int, world_size: int, rows: int, budget_of, target: Targ
         args, s, world_size, rows, target, every=every)["peak"] <= budget), None)
     if later is not None:
         out.append(f"--stage {later} ({theory.STAGE_NAMES[later]})")
-    where = (f" over more nodes (--nnodes; {ranks_here} rank(s) share this node's memory)"
-             if ranks_here else "")
     more = stage if stage > 0 else 3 if later is None else None    # DDP: only with sharding
     if more is not None:
         n = smallest_world(args, more, rows, budget_of, target, world_size + 1, every=every)
         if n is not None:
             also = f"--stage {more} on " if more != stage else ""
+            if ranks_here:                  # this node's ranks share its memory: more nodes
+                nodes = math.ceil(n / ranks_here)
+                n = nodes * ranks_here
+                where = f" ({nodes} nodes of {ranks_here}: --nnodes {nodes})"
+            else:
+                where = ""
             out.append(f"{also}{n} ranks{where} with {rows} row(s) each (--batch-size "
                        f"{rows * n * A})")
     if target.cfg is not None and not getattr(args, "model", None):
