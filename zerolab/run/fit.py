@@ -611,14 +611,14 @@ def format_report(rep: dict) -> str:
              f"{rep['precision']}, activation checkpointing {ac}; "
              f"budget {rep['budget'] / GB:.4g} GB ({rep['budget_label']})",
              f"per-rank {unit} of one step, simulated on the meta device (zerolab/run/fit.py)",
-             f"{'stage':<8}{'states':>9}{'activ.':>9}{'transient':>10}{'rest':>9}{'peak':>9}"
-             f"{'fits':>6}{'largest B':>11}{'smallest N':>12}"]
+             f"{'stage':<8}{'states':>10}{'activ.':>10}{'transient':>11}{'rest':>11}"
+             f"{'peak':>10}{'fits':>6}{'largest B':>11}{'smallest N':>12}"]
     for r in rep["stages"]:
         n = r["smallest_world"]
-        lines.append(f"{r['name']:<8}{r['model_states_total'] / scale:>9.4g}"
-                     f"{r['activations'] / scale:>9.4g}"
-                     f"{sum(r['transients'].values()) / scale:>10.4g}"
-                     f"{r['rest'] / scale:>9.4g}{r['peak'] / scale:>9.4g}"
+        lines.append(f"{r['name']:<8}{r['model_states_total'] / scale:>10.4g}"
+                     f"{r['activations'] / scale:>10.4g}"
+                     f"{sum(r['transients'].values()) / scale:>11.4g}"
+                     f"{r['rest'] / scale:>11.3g}{r['peak'] / scale:>10.4g}"
                      f"{'yes' if r['fits'] else 'no':>6}{r['largest_rows'] or 'none':>11}"
                      f"{n if n is not None else 'none':>12}")
     lines.append("states: the formula at the padded Ψ; activ.: what one micro-batch's forward "
