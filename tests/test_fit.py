@@ -179,3 +179,23 @@ def test_named_devices_carry_their_memory():
     assert fit.device_memory("h200") == (141e9, "h200")
     assert fit.device_memory("24")[0] == 24e9
     assert not math.isnan(fit.device_memory("0.5GB")[0])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_train_and_compare_refuse_in_one_line_with_what_fits(command, tmp_path, monkeypatch, capsys):
+    """The launchers ask the same prediction before any rank starts: on a machine whose memory
+    holds DDP's step at 8 rows a rank but not at 32, the refusal (exit 2, one line) names more
+    micro-steps, and nothing is launched."""
+    from zerolab.run import preflight
+    argv = ["--preset", "small", "--nproc", "2", "--batch-size", "64", "--steps", "1",
+            "--stages", "0", "--out", str(tmp_path / "o")]
+    a = options.parser("train").parse_args(argv)
+    options.check(a, 2)
+    eight = fit.simulate(a, 0, 2, 8, fit.target_of(a))["peak"]
+    monkeypatch.setattr(preflight, "available_bytes", lambda: int(2 * eight * 1.05))
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "DDP needs about" in err and "--grad-accum 4 (8 row(s)" in err, err
+    assert not (tmp_path / "o").exists()

@@ -17,9 +17,10 @@ about. From that one simulated step it reports, per stage:
 - peak: MemTracker's largest total over the step; the rest of it (backward's temporaries:
   activation gradients, the loss's fp32 logits) is peak minus the three parts above.
 
-Then: fits or not on `--device-memory`, the largest micro-batch that fits (the peak is affine
-in the rows per rank: two simulations, the answer checked by a third), the smallest N at which
-each stage fits, and the options that would make a refused run fit (`advice`).
+Then: fits or not on `--device-memory`, the largest micro-batch that fits (`largest_rows`:
+simulations at widening, then halving, rows per rank), the smallest N at which each stage fits
+(`smallest_world`: the formula proposes N, simulations confirm it), and the options that would
+make a refused run fit (`advice`, also what `zerolab train` says when it refuses: `check_fits`).
 
     zerolab fit --preset 1b --stages 0,1,2,3 --world-size 8 --batch-size 8 --device-memory h100
     zerolab fit --model mypkg.nets:build --stage 3 --world-size 64 --device-memory 24 --json
@@ -385,7 +386,8 @@ def smallest_world(args, stage: int, rows: int, budget_of, target: Target, start
     """The smallest N >= `start` at which `stage` fits with `rows` rows per rank (budget_of(N):
     bytes a rank may use), or None below MAX_SEARCH. DDP's peak does not fall with N: None
     unless it fits at `start`. The model states fall as 1/N: the formula proposes N, a
-    simulation confirms it, doubling while it does not fit."""
+    simulation confirms it, doubling while it does not fit, then steps back (at most 8 ranks)
+    while one rank fewer fits too."""
     first = simulate(args, stage, start, rows, target, every=every)
     if first["peak"] <= budget_of(start):
         return start
