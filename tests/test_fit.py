@@ -188,7 +188,7 @@ def test_train_and_compare_refuse_in_one_line_with_what_fits(command, tmp_path, 
     holds DDP's step at 8 rows a rank but not at 32, the refusal (exit 2, one line) names more
     micro-steps, and nothing is launched."""
     from zerolab.run import preflight
-    argv = ["--preset", "small", "--nproc", "2", "--batch-size", "64", "--steps", "1",
+    argv = ["--preset", "tiny", "--nproc", "2", "--batch-size", "64", "--steps", "1",
             "--stages", "0", "--out", str(tmp_path / "o")]
     a = options.parser("train").parse_args(argv)
     options.check(a, 2)
