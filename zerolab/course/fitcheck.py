@@ -13,7 +13,7 @@ GPT presets train with `zerolab train` itself. The two models that are not the c
 (`zerolab.course.fitmodels`: a conv net; tied and frozen weights) train with this module's rank
 entry (`--rank-run`, under torchrun): the same strategies, AdamW and MemTracker, a loop of its
 own. Cost: the full table is 36 `zerolab train` launches of 2 steps and 12 rank runs, about
-15 min on 2 busy cores.
+30 min on 2 busy cores (`--only gpt` or `--only models`: one part).
 """
 from __future__ import annotations
 
