@@ -329,6 +329,50 @@ def predict_notebook() -> nbformat.NotebookNode:
     return nb
 
 
+def fit_batch_notebook() -> nbformat.NotebookNode:
+    """Exercise (l): the largest micro-batch that fits, graded by zerolab.course.exercises.fitbatch."""
+    stages = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+    cells = [
+        new_markdown_cell(
+            "# Exercise (l): the largest micro-batch that fits\n\n"
+            "**You will learn** to assemble one rank's peak from its parts before you launch.\n"
+            "**You need** notebook 10 (the peak above the formula) and a laptop CPU.\n"
+            "**Time** ~15 min.\n\n"
+            "A rank's peak is not its model states. "
+            "During backward it also holds the activations, their gradients and the stage's "
+            "transients. "
+            "Inside the optimizer step it holds the fp32 gradient copies instead. "
+            "The question: how many rows per rank, B, fit the device at each stage? "
+            "See the [symbols](../glossary.md#symbols) for B, N and Ψ."),
+        new_markdown_cell(
+            "## The parts\n\n"
+            "The cell prints each stage's parts, in bytes per rank, as `zerolab fit` counts them. "
+            "*rest* is what the backward holds besides the states and gathered blocks: buckets "
+            "and reduce_scatter outputs, minus gathered bytes already freed at that moment. "
+            "*act/row* is what the forward keeps per row; *temp/row* is what the backward adds "
+            "per row at its peak."),
+        new_code_cell("from zerolab.course.exercises import fitbatch\n\nfitbatch.show_parts()"),
+        new_markdown_cell(
+            "## Your answers\n\n"
+            "Write your B in place of `None` and run the cell. "
+            "A wrong B names the mistake that gives it, when it is a usual one. "
+            "`fitbatch.reveal(stage)` shows the answer and how it is assembled.\n\n"
+            "**Takeaway:** the peak is the larger of the backward's and the optimizer step's, "
+            "and only the backward's grows with B."),
+    ]
+    for s, name in enumerate(stages):
+        cells.append(new_code_cell(f"fitbatch.answer({s}, None)   # your B for {name}"))
+    cells.append(new_markdown_cell(
+        "## Stuck, or done?\n\n"
+        "Uncomment and run to see each answer, assembled from the parts and simulated by "
+        "`zerolab fit`.\n\n"
+        "**Takeaway:** `zerolab fit` does this assembly for any model before you launch."))
+    cells.append(new_code_cell("\n".join(f"# fitbatch.reveal({s})" for s in range(4))))
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    return nb
+
+
 def write(nb: nbformat.NotebookNode, path: Path):
     """Write `nb`, keeping the cell ids of the notebook already at `path` (same cell count), so
     that regenerating an unchanged notebook changes nothing."""
@@ -349,7 +393,8 @@ def main():
         else:
             write(exercise_notebook(name), OUT / f"{PLAN[name][0]}.ipynb")
     write(predict_notebook(), OUT / "predict_then_measure.ipynb")
-    print(f"wrote {len(EXERCISES) + 1} notebooks to {OUT}")
+    write(fit_batch_notebook(), OUT / "l_fit_batch.ipynb")
+    print(f"wrote {len(EXERCISES) + 2} notebooks to {OUT}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The `zerolab` command: memory | time | whatif | train | compare | bench | labs | checkpoint |
+"""The `zerolab` command: memory | time | whatif | fit | train | compare | bench | labs | checkpoint |
 check | doctor | papers | slurm.
 
     zerolab memory --params 7.5e9 --world-size 64     # the ZeRO paper's table, from the formulas
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = command("train", "train one or more stages under torchrun")
     options.parser("train", train)
+    from ..run import fit
+    fit.add_arguments(command("fit", "will it fit? one step's per-rank peak, predicted on the "
+                                     "meta device before launch (run/fit.py)"))
     compare = command("compare", "stages 0-3, same seed and data: table + JSON + PNG")
     options.parser("compare", compare)
 
@@ -363,6 +366,11 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_fit(args) -> int:
+    from ..run import fit
+    return fit.main(args)
+
+
 def cmd_compare(args) -> int:
     from ..course.plots import plot_compare
     from ..course.results import load_run
@@ -422,7 +430,7 @@ def cmd_doctor(args) -> int:
 
 
 COMMANDS = {"memory": cmd_memory, "time": cmd_time, "whatif": cmd_whatif, "bench": cmd_bench,
-            "train": cmd_train, "compare": cmd_compare, "labs": cmd_labs,
+            "train": cmd_train, "fit": cmd_fit, "compare": cmd_compare, "labs": cmd_labs,
             "checkpoint": cmd_checkpoint, "check": cmd_check, "doctor": cmd_doctor,
             "papers": cmd_papers, "slurm": cmd_slurm}
 

@@ -7,7 +7,7 @@ initialises CUDA or runs a collective itself:
 1. `check(args)`: every option (`options.check`), the backend and device for this node
    (`launch.resolve`), the process limits a rank needs (`ulimit -v`, `ulimit -n`: `resources`),
    a checkpoint to resume from (every file's sha256), the output folder, the rendezvous
-   endpoint, the data file, and whether one step fits in this machine's memory (`preflight`) -
+   endpoint, the data file, and whether one step fits in this machine's memory (`fit.check_fits`) -
    before any process starts, each failure one line (ValueError).
 2. `started(args, command)`: the run owns OUT while it lasts (a lock and a manifest,
    `folders.start_run`), so a second run into the same folder is refused.
@@ -33,8 +33,9 @@ from . import options
 from .ckptio import kept_in
 from .folders import check_out_dir, start_run
 from .launch import LaunchError, auto_note, resolve, run_torchrun
-from .preflight import (START_PER_RANK, check_cores, check_data_path, check_fits_memory,
-                        check_rdzv_endpoint, usable_cores)
+from . import fit
+from .preflight import (START_PER_RANK, check_cores, check_data_path, check_rdzv_endpoint,
+                        usable_cores)
 from .resources import ResourceError, check_address_space, check_open_files, describe
 
 
@@ -74,9 +75,7 @@ def _check(args, given: set[str] | None) -> tuple[str, str]:
     if args.data is not None:
         check_data_path(args.data)
     load_tokens(args.data, cfg.block_size)
-    check_fits_memory(cfg, batch_size=args.batch_size, nproc=args.nproc, world_size=world_size,
-                      grad_accum=args.grad_accum, stages=args.stage_list, precision=args.precision,
-                      device=device)
+    fit.check_fits(args, world_size, device)   # the predicted peak (zerolab fit), with advice
     return backend, device
 
 

@@ -1,12 +1,13 @@
 """Checks of this machine made before any rank starts: the data file, the rendezvous endpoint,
-and whether one step can fit in memory (the options' own values: `options.check`); and the
-environment every launched process gets (`child_env`, `nccl_watch`). Each check raises
+the cores, and the memory figures whether one step fits uses (`fit.check_fits`; the options'
+own values: `options.check`); and the environment every launched process gets (`child_env`,
+`nccl_watch`). Each check raises
 ValueError with one line naming the bad value and what is accepted, so that `zerolab` exits 2
 within a second instead of failing inside a rank minutes later.
 
     check_data_path("corpus.txt")
     check_rdzv_endpoint("10.0.0.1:29500")
-    check_fits_memory(get_config("tiny"), batch_size=8, nproc=2, world_size=2, grad_accum=1)
+    activation_bytes(get_config("tiny"), rows=4)    # Korthikanti et al.'s estimate, bytes
 """
 from __future__ import annotations
 
@@ -128,32 +129,6 @@ def available_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def check_fits_memory(cfg, *, batch_size: int, nproc: int, world_size: int, grad_accum: int,
-                      stages=(0,), precision: str = "bf16", device: str = "cpu",
-                      available: int | None = None) -> int:
-    """Estimated bytes per rank (activations of one micro-batch + model states of the largest
-    stage); ValueError when the `nproc` ranks on this node (CPU) cannot hold them in the memory
-    available. CUDA memory is not checked here (asking would initialise CUDA in this process)."""
-    import torch
-
-    from .. import theory
-    from ..model import GPT, num_params
-    rows = batch_size // (world_size * grad_accum)
-    with torch.device("meta"):
-        psi = num_params(GPT(cfg))
-    states = max(theory.model_state_total(psi, world_size, s, precision) for s in stages)
-    acts = activation_bytes(cfg, rows, precision)
-    need = acts + states
-    available = available_bytes() if available is None else available
-    if device == "cpu" and available and need * nproc > available:
-        raise ValueError(
-            f"--batch-size {batch_size}: each rank needs about {acts / 1e9:,.3g} GB of activations "
-            f"({rows} rows of {cfg.block_size} tokens) + {states / 1e9:.3g} GB of model states, "
-            f"x {nproc} rank(s) = {need * nproc / 1e9:,.3g} GB, but {available / 1e9:.3g} GB is "
-            "available; lower --batch-size or raise --grad-accum")
-    return need
 
 
 # --- cores ---------------------------------------------------------------------------------------

@@ -45,10 +45,12 @@ class Link:
 
 @dataclass(frozen=True)
 class Device:
-    """A device's peak dense FLOP/s (bf16 on GPUs) and where the number comes from."""
+    """A device's peak dense FLOP/s (bf16 on GPUs), its memory in bytes (0: not given) and
+    where the numbers come from."""
     name: str
     flops: float
     source: str = "custom"
+    memory: float = 0.0
 
 
 _ALPHA = ("α is a typical order of magnitude per ring step (nccl-tests small-message latencies), "
@@ -76,11 +78,11 @@ LINKS = {
 
 DEVICES = {
     "h100": Device("h100", 989e12, "NVIDIA H100 SXM5 datasheet: bf16 dense 989 TFLOP/s "
-                   "(1979 with sparsity)"),
+                   "(1979 with sparsity), 80 GB HBM3", 80e9),
     "h200": Device("h200", 989e12, "NVIDIA H200 SXM datasheet: bf16 dense 989 TFLOP/s "
-                   "(1979 with sparsity), the same chip as H100 with more HBM"),
+                   "(1979 with sparsity), the same chip as H100 with 141 GB HBM3e", 141e9),
     "a100": Device("a100", 312e12, "NVIDIA A100 SXM datasheet: bf16 dense 312 TFLOP/s "
-                   "(624 with sparsity)"),
+                   "(624 with sparsity), 80 GB HBM2e (the 80 GB model)", 80e9),
 }
 
 
