@@ -12,7 +12,7 @@ from zerolab import theory
 from zerolab.cli.commands import main
 from zerolab.course import fitanchors, fitcheck
 from zerolab.model import GPT, get_config
-from zerolab.run import fit, options
+from zerolab.run import fit, fitreport, fittarget, options
 
 
 # --- predicted vs measured (the benchmark's subset) ---------------------------------------------
@@ -51,7 +51,7 @@ def test_activations_grow_with_rows_and_checkpointing_keeps_fewer():
     for every in (None, 2, 1):
         for rows in (1, 2, 4):
             a = _args(["--preset", "tiny", "--steps", "1", "--batch-size", str(rows), "--nproc", "1"])
-            n, _, target = fit.check_args(a)
+            n, _, target = fitreport.check_args(a)
             acts[every, rows] = fit.simulate(a, 0, 1, rows, target, every=every)["activations"]
     for every in (None, 2, 1):
         assert acts[every, 4] - acts[every, 2] == pytest.approx(
@@ -176,9 +176,9 @@ def test_a_build_that_returns_no_module_is_named(tmp_path, monkeypatch, capsys):
 
 
 def test_named_devices_carry_their_memory():
-    assert fit.device_memory("h200") == (141e9, "h200")
-    assert fit.device_memory("24")[0] == 24e9
-    assert not math.isnan(fit.device_memory("0.5GB")[0])
+    assert fittarget.device_memory("h200") == (141e9, "h200")
+    assert fittarget.device_memory("24")[0] == 24e9
+    assert not math.isnan(fittarget.device_memory("0.5GB")[0])
 
 
 @pytest.mark.timeout(300)

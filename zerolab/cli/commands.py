@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = command("train", "train one or more stages under torchrun")
     options.parser("train", train)
-    from ..run import fit
-    fit.add_arguments(command("fit", "will it fit? one step's per-rank peak, predicted on the "
+    from ..run import fitreport
+    fitreport.add_arguments(command("fit", "will it fit? one step's per-rank peak, predicted on the "
                                      "meta device before launch (run/fit.py)"))
     compare = command("compare", "stages 0-3, same seed and data: table + JSON + PNG")
     options.parser("compare", compare)
@@ -367,8 +367,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_fit(args) -> int:
-    from ..run import fit
-    return fit.main(args)
+    from ..run import fitreport
+    return fitreport.main(args)
 
 
 def cmd_compare(args) -> int:

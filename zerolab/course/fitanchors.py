@@ -69,14 +69,14 @@ def counted_per_layer(preset: str, rows: int = 1, block_size: int | None = None)
     """Bytes one block's forward keeps for backward at the preset's shape, `rows` rows: the
     counted activations of the GPT with 2 layers minus those with 1 (`run.fit.simulate`, DDP,
     N = 1, bf16, on the meta device); block_size: the sequence length (default: the preset's)."""
-    from ..run import fit
+    from ..run import fit, fitreport
     from .fitcheck import fit_args
     got = []
     for layers in (1, 2):
         args = fit_args(["--preset", preset, "--n-layer", str(layers), "--steps", "1",
                          "--batch-size", str(rows), "--nproc", "1"]
                         + (["--block-size", str(block_size)] if block_size else []))
-        n, every, target = fit.check_args(args)
+        n, every, target = fitreport.check_args(args)
         got.append(fit.simulate(args, 0, 1, rows, target)["activations"])
     return got[1] - got[0]
 

@@ -36,15 +36,15 @@ STEPS = 2
 
 def fit_args(argv: list[str]):
     """`zerolab fit`'s parsed options for `argv` (train's flags and fit's own)."""
-    from ..run import fit
-    return fit.add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    from ..run import fitreport
+    return fitreport.add_arguments(argparse.ArgumentParser()).parse_args(argv)
 
 
 def predicted(argv: list[str], stages, world_size: int, rows: int) -> dict:
     """{stage: fit.simulate's report} for the options `argv`."""
-    from ..run import fit
+    from ..run import fit, fitreport
     args = fit_args(argv + ["--world-size", str(world_size)])
-    n, every, target = fit.check_args(args)
+    n, every, target = fitreport.check_args(args)
     return {s: fit.simulate(args, s, world_size, rows, target, every=every) for s in stages}
 
 

@@ -31,10 +31,10 @@ ARGV = ["--preset", PRESET, "--block-size", str(SEQ), "--nproc", str(WORLD), "--
 
 
 def _args():
-    from ...run import fit
+    from ...run import fitreport
     from ..fitcheck import fit_args
     args = fit_args(ARGV)
-    fit.check_args(args)
+    fitreport.check_args(args)
     return args
 
 
