@@ -1,6 +1,7 @@
 """The `zerolab` command (`python -m zerolab`): the door to everything else, above every wing.
 
-`commands.py` holds its parser and one short function per subcommand.
+`commands.py` holds its parser and one short function per subcommand; `parser.py` the parser's
+classes (one-line errors, help), `types.py` the argument types.
 """
 from .commands import build_parser, main
 
