@@ -288,8 +288,8 @@ def load_slow(nproc: int, cores: int) -> float:
 STEP_EFFICIENCY = 0.4
 #: what a step costs beyond its FLOPs (collectives' latency, the loss's all_reduce, logging,
 #: Python around small kernels), seconds on an unloaded core: nano's steps take 15-30 ms at
-#: a load of 5 on 2 cores, almost none of it FLOPs (docs/measured.md)
-STEP_OVERHEAD = 0.05
+#: a load of 5 on 2 cores (x2-4), almost none of it FLOPs (docs/measured.md)
+STEP_OVERHEAD = 0.01
 #: starting the launcher, torchrun and the ranks (torch's import in each) and ending the run,
 #: seconds on an unloaded core: fitted to 6 launches of nano, tiny and small (1, 2, 4 ranks;
 #: 1 and 4 stages) on 2 cores at loads of 1 to 5, with `slow` measured before each
