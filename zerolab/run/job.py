@@ -119,7 +119,8 @@ def estimate(args, device: str) -> str:
     line = (f"zerolab: about {format_seconds(est['total'])} in all ({stages} stage(s) x "
             f"{args.steps} step(s) of ~{format_seconds(est['step'])}: {_si(est['flop'])}FLOP a "
             f"step at ~{_si(est['rate'])}FLOP/s, {args.nproc} rank(s) on "
-            f"{usable_cores()} core(s) in {args.precision}, x{est['slow']:.2g} for this machine's load, "
+            f"{usable_cores()} core(s) in {args.precision}, x{est['slow']:.2g} for this "
+            f"machine's load, "
             f"measured now; the first step tells)")
     if est["total"] > LONG:
         per = (est["total"] - est["step"] * args.steps * stages) / max(stages, 1)
@@ -293,11 +294,12 @@ STEP_OVERHEAD = 0.01
 #: starting the launcher, torchrun and the ranks (torch's import in each) and ending the run,
 #: seconds on an unloaded core: fitted to 6 launches of nano, tiny and small (1, 2, 4 ranks;
 #: 1 and 4 stages) on 2 cores at loads of 1 to 5, with `slow` measured before each
-#: (docs/measured.md); most of a short run
-START = 6.0
-#: seconds each further stage adds on an unloaded core (building it, its first step's warm-up,
+#: (docs/measured.md), then lowered a sixth (the test's launches took 0.56-1.14 times their
+#: estimate, most 0.6-0.9); most of a short run
+START = 5.0
+#: seconds each stage adds on an unloaded core (building it, its first step's warm-up,
 #: its last step's memory cross-check): fitted with START
-PER_STAGE = 0.6
+PER_STAGE = 0.5
 #: a run estimated longer than this (seconds) is told how to be shorter
 LONG = 120.0
 
@@ -324,9 +326,11 @@ def estimate_seconds(cfg, *, steps: int, stages: int, batch_size: int, nproc: in
     The step's FLOPs: the cost model's 6Ψ + 12·L·d·s per token (`timing.flops.flops_per_token`),
     batch_size x block_size tokens, all ranks together, at `flops_per_core` x STEP_EFFICIENCY
     on each of the cores the ranks share (at most one each). flops_per_core and slow default to
-    `probe(precision, threads=the ranks' cores)`, measured now (~0.1 s). A small preset's step
-    is mostly STEP_OVERHEAD (Python around small kernels), a large one's mostly FLOPs; starting
-    (torch's import in every process) is most of a short run. Measured figures: docs/measured.md.
+    `probe(precision, threads=the ranks' cores)`, measured now (~0.1 s); slow is the geometric
+    mean of the probe's reading (capped at twice the other) and `load_slow` (the last minute).
+    A small preset's step is mostly STEP_OVERHEAD (Python around small kernels), a large one's
+    mostly FLOPs; starting (torch's import in every process) is most of a short run.
+    Measured figures: docs/measured.md.
     Returns {"step", "total", "flop", "rate", "per_core", "slow"}: seconds a step, seconds in
     all, FLOPs a step, FLOP/s of all ranks, the core's FLOP/s and the slow-down used (pass
     them on to price another shape without measuring again)."""
@@ -342,8 +346,9 @@ def estimate_seconds(cfg, *, steps: int, stages: int, batch_size: int, nproc: in
     if flops_per_core is None:
         now = probe(precision, threads=min(nproc, cores))
         flops_per_core = now["per_core"]
-        if slow is None:                    # the load now and over the last minute, together
-            slow = math.sqrt(max(1.0, now["slow"]) * load_slow(nproc, cores))
+        if slow is None:                    # the load now and over the last minute, together;
+            minute = load_slow(nproc, cores)    # 0.1 s can catch a burst: at most 2x the minute's
+            slow = math.sqrt(min(max(1.0, now["slow"]), 2 * minute) * minute)
     slow = 1.0 if slow is None else max(1.0, slow)
     rate = min(nproc, cores) * flops_per_core * STEP_EFFICIENCY
     step = slow * (flop / rate + STEP_OVERHEAD * max(1.0, nproc / cores))
