@@ -25,6 +25,8 @@ initialises CUDA or runs a collective itself:
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import re
 import time
 
@@ -116,7 +118,9 @@ def estimate(args, device: str) -> str:
     line = (f"zerolab: about {format_seconds(est['total'])} in all ({stages} stage(s) x "
             f"{args.steps} step(s) of ~{format_seconds(est['step'])}: {_si(est['flop'])}FLOP a "
             f"step at ~{_si(est['rate'])}FLOP/s, {args.nproc} rank(s) on "
-            f"{usable_cores()} core(s) in {args.precision}, measured now; the first step tells)")
+            f"{usable_cores()} core(s) in {args.precision}, x{est['slow']:.2g} for this "
+            f"machine's load, "
+            f"measured now; the first step tells)")
     if est["total"] > LONG:
         per = (est["total"] - est["step"] * args.steps * stages) / max(stages, 1)
         steps = max(1, int((LONG / stages - per) / est["step"]))
@@ -130,7 +134,7 @@ def estimate(args, device: str) -> str:
             shape = {"block_size": args.block_size} if args.block_size else {}
             small = estimate_seconds(get_config(smaller, **shape), steps=args.steps,
                                      stages=stages, batch_size=rows, nproc=args.nproc,
-                                     flops_per_core=est["per_core"])
+                                     flops_per_core=est["per_core"], slow=est["slow"])
             ideas.append(f"--preset {smaller} (~{format_seconds(small['total'])})")
         if ideas:
             line = line[:-1] + f"; shorter: {' or '.join(ideas)})"
@@ -213,35 +217,88 @@ def start_ranks(args, run_id: str | None, backend: str, device: str, *, echo=_sa
 # --- what a run will cost -------------------------------------------------------------------
 def core_flops(dtype: str = "bf16", seconds: float = 0.1, size: int = 512) -> float:
     """FLOP/s of one CPU core on `size` x `size` matrix products in `dtype` ("bf16", "fp32"),
-    measured now for about `seconds` (one thread; this machine's load included)."""
+    measured now for about `seconds` on one thread: the fastest product of the window, so the
+    figure is the core's own speed and not how busy the machine happened to be
+    (`probe` measures that)."""
+    return probe(dtype, seconds=seconds, size=size, threads=1)["per_core"]
+
+
+def probe(dtype: str = "bf16", seconds: float = 0.1, size: int = 512, threads: int = 1) -> dict:
+    """This machine's speed and load now: `threads` threads (one per rank that will have a
+    core) each time `size` x `size` products in `dtype` one thread each, for about `seconds`.
+
+    Returns {"per_core": FLOP/s of the fastest product (the core's speed, unloaded),
+    "slow": the median product's time over the fastest's (>= 1: how much the other processes
+    running now slow a rank down)}. One product is one window: a load that takes the core for
+    part of the time shows in the median and not in the fastest. Measured on 2 cores:
+    a single 0.1 s mean read 31.5 and 328 GFLOP/s in two runs; see `estimate_seconds`."""
+    import statistics
+    import threading
+
     import torch
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, torch.float32)
-    threads = torch.get_num_threads()
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
+    times: list[float] = []
+    shares: list[float] = []                   # the share of a core each thread had
+
+    def run():
+        torch.set_num_threads(1)               # OpenMP's count is per thread: each sets its own
         a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
         a @ b                                  # warm-up
-        n, t0 = 0, time.perf_counter()
+        mine, cpu0, wall0 = [], time.thread_time(), time.perf_counter()
         while True:
+            t0 = time.perf_counter()
             a @ b
-            n += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds:
-                return 2 * size ** 3 * n / elapsed
+            t1 = time.perf_counter()
+            mine.append(t1 - t0)
+            if t1 - wall0 >= seconds and len(mine) >= 3:
+                break
+        shares.append((time.thread_time() - cpu0) / (t1 - wall0))
+        times.extend(mine)
+
+    try:
+        workers = [threading.Thread(target=run) for _ in range(max(1, threads) - 1)]
+        for w in workers:
+            w.start()
+        run()
+        for w in workers:
+            w.join()
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
+    share = statistics.mean(shares)
+    return {"per_core": 2 * size ** 3 / min(times), "slow": 1 / max(share, 0.05)}
 
 
-#: the share of `core_flops` a rank's training step reaches (attention, layer norms, the
-#: optimizer and Python around the matrix products): measured 0.75 on 2 cores, preset gpt2, bf16
-#: (5.15 TFLOP a step in 114 s with 2 ranks; one core's 512 x 512 products: 30 GFLOP/s)
-STEP_EFFICIENCY = 0.75
-#: what a step costs beyond its FLOPs (collectives' latency, the loss's all_reduce, logging) and
-#: what starting the launcher, torchrun and the ranks costs, seconds: measured on 2 cores, nano
-STEP_OVERHEAD, START = 0.05, 8.0
-#: seconds each stage adds (building it; its last step's memory cross-check): measured ~2 s,
-#: preset small and tiny on 2 cores
-PER_STAGE = 2.0
+def load_slow(nproc: int, cores: int) -> float:
+    """How much the machine's load over the last minute slows `nproc` ranks on `cores` cores:
+    the other runnable processes (the 1-minute load average, in this process's share of the
+    machine's CPUs) and the ranks share the cores; >= 1. 1.0 where there is no load average."""
+    try:
+        load = os.getloadavg()[0] * cores / (os.cpu_count() or cores)
+    except (AttributeError, OSError):
+        return 1.0
+    return max(1.0, (load + nproc) / max(cores, nproc))
+
+
+#: the share of `core_flops` (a core's fastest 512 x 512 product) a rank's training step
+#: reaches (attention, layer norms, the optimizer, Python around the matrix products):
+#: preset small, 2 ranks on 2 cores, bf16: ~0.5 s a step at a load of 5 (x~3), 18.7 GFLOP,
+#: cores at ~220 GFLOP/s: ~0.4 (docs/measured.md)
+STEP_EFFICIENCY = 0.4
+#: what a step costs beyond its FLOPs (collectives' latency, the loss's all_reduce, logging,
+#: Python around small kernels), seconds on an unloaded core: nano's steps take 15-30 ms at
+#: a load of 5 on 2 cores (x2-4), almost none of it FLOPs (docs/measured.md)
+STEP_OVERHEAD = 0.01
+#: starting the launcher, torchrun and the ranks (torch's import in each) and ending the run,
+#: seconds on an unloaded core: fitted to 6 launches of nano, tiny and small (1, 2, 4 ranks;
+#: 1 and 4 stages) on 2 cores at loads of 1 to 5, with `slow` measured before each
+#: (docs/measured.md), then lowered a sixth (the test's launches took 0.56-1.14 times their
+#: estimate, most 0.6-0.9); most of a short run
+START = 5.0
+#: seconds each stage adds on an unloaded core (building it, its first step's warm-up,
+#: its last step's memory cross-check): fitted with START
+PER_STAGE = 0.5
 #: a run estimated longer than this (seconds) is told how to be shorter
 LONG = 120.0
 
@@ -260,17 +317,22 @@ def format_seconds(seconds: float) -> str:
 
 def estimate_seconds(cfg, *, steps: int, stages: int, batch_size: int, nproc: int,
                      precision: str = "bf16", flops_per_core: float | None = None,
-                     cores: int | None = None) -> dict:
-    """What a CPU run will cost, from the cost model's FLOPs (`timing.flops.flops_per_token`:
-    6Ψ + 12·L·d·s per token, batch_size x block_size tokens a step, all ranks together) over the
-    cores the ranks share (at most one each) at `flops_per_core` x STEP_EFFICIENCY (default:
-    `core_flops(precision)`, measured now), plus STEP_OVERHEAD a step, PER_STAGE a stage, and
-    START plus START_PER_RANK per rank beyond the cores. Measured against it (2 cores): gpt2,
-    2 ranks, 2 steps: 4 min 10 s estimated, 4 min 41 s taken; small, 2 ranks, 5 steps: 12 s,
-    14-16 s; tiny, `zerolab compare`: 26 s, 15 s idle to 40 s loaded.
-    Returns {"step", "total", "flop", "rate", "per_core"}: seconds a step, seconds in all, FLOPs
-    a step, FLOP/s of all ranks, and the core's FLOP/s used (pass it on to price another shape
-    without measuring again)."""
+                     cores: int | None = None, slow: float | None = None) -> dict:
+    """What a CPU run will cost, seconds: START (+ START_PER_RANK per rank beyond the cores)
+    and, per stage, PER_STAGE + steps x (the step's FLOPs over the ranks' cores + STEP_OVERHEAD),
+    all times `slow`, how much the other processes running now slow a rank down.
+
+    The step's FLOPs: the cost model's 6Ψ + 12·L·d·s per token (`timing.flops.flops_per_token`),
+    batch_size x block_size tokens, all ranks together, at `flops_per_core` x STEP_EFFICIENCY
+    on each of the cores the ranks share (at most one each). flops_per_core and slow default to
+    `probe(precision, threads=the ranks' cores)`, measured now (~0.1 s); slow is the geometric
+    mean of the probe's reading (capped at twice the other) and `load_slow` (the last minute).
+    A small preset's step is mostly STEP_OVERHEAD (Python around small kernels), a large one's
+    mostly FLOPs; starting (torch's import in every process) is most of a short run.
+    Measured figures: docs/measured.md.
+    Returns {"step", "total", "flop", "rate", "per_core", "slow"}: seconds a step, seconds in
+    all, FLOPs a step, FLOP/s of all ranks, the core's FLOP/s and the slow-down used (pass
+    them on to price another shape without measuring again)."""
     import torch
 
     from ..model import GPT, num_params
@@ -280,8 +342,16 @@ def estimate_seconds(cfg, *, steps: int, stages: int, batch_size: int, nproc: in
         psi = num_params(GPT(cfg))
     flop = flops_per_token(psi, n_layer=cfg.n_layer, d_model=cfg.n_embd,
                            seq_len=cfg.block_size) * batch_size * cfg.block_size
-    per_core = core_flops(precision) if flops_per_core is None else flops_per_core
-    rate = min(nproc, cores) * per_core * STEP_EFFICIENCY
-    step = flop / rate + STEP_OVERHEAD * max(1.0, nproc / cores)
-    total = START + START_PER_RANK * max(0, nproc - cores) + stages * (PER_STAGE + steps * step)
-    return {"step": step, "total": total, "flop": flop, "rate": rate, "per_core": per_core}
+    if flops_per_core is None:
+        now = probe(precision, threads=min(nproc, cores))
+        flops_per_core = now["per_core"]
+        if slow is None:                    # the load now and over the last minute, together;
+            minute = load_slow(nproc, cores)    # 0.1 s can catch a burst: at most 2x the minute's
+            slow = math.sqrt(min(max(1.0, now["slow"]), 2 * minute) * minute)
+    slow = 1.0 if slow is None else max(1.0, slow)
+    rate = min(nproc, cores) * flops_per_core * STEP_EFFICIENCY
+    step = slow * (flop / rate + STEP_OVERHEAD * max(1.0, nproc / cores))
+    total = (slow * (START + START_PER_RANK * max(0, nproc - cores) + stages * PER_STAGE)
+             + stages * steps * step)
+    return {"step": step, "total": total, "flop": flop, "rate": rate / slow,
+            "per_core": flops_per_core, "slow": slow}
