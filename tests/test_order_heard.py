@@ -121,16 +121,17 @@ def test_a_store_that_vanishes_is_read_as_a_peer_that_left(tmp_path):
 
 
 THREADED = """
-import threading, warnings, torch, torch.nn as nn, torch.distributed as dist
+import copy, threading, warnings, torch, torch.nn as nn, torch.distributed as dist
 from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
 from zerolab.torchlike import fully_shard
 out, errs = {}, {}
 _install_threaded_pg()
 store = dist.HashStore()
 torch._C._distributed_c10d._set_thread_isolation_mode(True)
+torch.manual_seed(0)                    # built once: the ranks are threads of one process, and
+INIT = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))  # share its global RNG
 def model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    return copy.deepcopy(INIT)
 def batch(step, rank):
     return torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * step + rank))
 def worker(rank):

@@ -182,7 +182,7 @@ LAUNCHES = {   # argv after `zerolab`, a piece of a rank's command line
     "compare": (["compare", "--preset", "nano", "--steps", "100000", "--nproc", "2"],
                 "-m zerolab.run.train"),
     "bench": (["bench", "--nproc", "2", "--preset", "nano", "--systems", "zerolab-ddp",
-               "--rounds", "100000"], "-m zerolab.course.bench"),
+               "--rounds", "10000"], "-m zerolab.course.bench"),
     "doctor": (["doctor"], "-m zerolab.course.doctor --rank"),
 }
 

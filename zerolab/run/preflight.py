@@ -383,11 +383,11 @@ def nccl_watch() -> dict[str, str]:
     """What torch offers to find a stuck NCCL collective, for every launch (a variable the user
     set wins): on a timeout the watchdog names the ranks out of step (TORCH_NCCL_DESYNC_DEBUG),
     and each rank's flight recorder - its last 2000 collectives, with sizes, states and stacks
-    (TORCH_NCCL_TRACE_BUFFER_SIZE) - is written to TRACE_DIR (TORCH_NCCL_DUMP_ON_TIMEOUT). The
+    (TORCH_FR_BUFFER_SIZE) - is written to TRACE_DIR (TORCH_NCCL_DUMP_ON_TIMEOUT). The
     timeout itself is the run's --timeout (seconds), given to init_process_group. gloo ignores
     them all (zerolab.loop.order watches gloo)."""
     with contextlib.suppress(OSError):
         os.makedirs(TRACE_DIR, exist_ok=True)
-    return {"TORCH_NCCL_DESYNC_DEBUG": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    return {"TORCH_NCCL_DESYNC_DEBUG": "1", "TORCH_FR_BUFFER_SIZE": "2000",
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_DUMP_TEMP_FILE": os.path.join(TRACE_DIR, "nccl_trace_rank_")}
