@@ -45,6 +45,7 @@ from ..data import rank_slice
 from ..model import GPT, PRESETS
 from ..timing.whatif import MAX_WORLD, _MetaMeter, fake_world
 from . import options
+from .fittarget import GB, Target, gpt_target, target_of  # noqa: F401 - Target: fit's own name
 from .options import DTYPES
 
 #: what the prediction cannot know, one line each (printed under every table)
@@ -60,7 +61,6 @@ UNKNOWN = (
     "a data loader's own buffers are not seen",
     "other processes on the device, and this machine's free memory when the run starts",
 )
-from .fittarget import GB, Target, gpt_target, target_of  # noqa: E402,F401 - fit's own names
 
 
 # --- attention as the target device runs it --------------------------------------------------

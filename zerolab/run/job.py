@@ -228,9 +228,10 @@ def probe(dtype: str = "bf16", seconds: float = 0.1, size: int = 512, threads: i
     core) each time `size` x `size` products in `dtype` one thread each, for about `seconds`.
 
     Returns {"per_core": FLOP/s of the fastest product (the core's speed, unloaded),
-    "slow": the median product's time over the fastest's (>= 1: how much the other processes
-    running now slow a rank down)}. One product is one window: a load that takes the core for
-    part of the time shows in the median and not in the fastest. Measured on 2 cores:
+    "slow": one over the mean share of a core the threads got, CPU time over wall time (>= 1:
+    how much the other processes running now slow a rank down)}. The fastest product is the
+    core's own speed; a load that takes the core for part of the time shows in the share only.
+    Measured on 2 cores:
     a single 0.1 s mean read 31.5 and 328 GFLOP/s in two runs; see `estimate_seconds`."""
     import statistics
     import threading
